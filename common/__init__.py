@@ -1,0 +1,1 @@
+"""Infrastructure shared by grpo.py, ppo.py and dpo.py. Nothing here is algorithm logic."""

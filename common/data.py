@@ -1,0 +1,305 @@
+"""Prompt datasets: loading rows, the builtin arithmetic task, chat templates, per-rank sampling.
+
+    rows = load_rows("arith", "train")                    # or a .jsonl/.parquet file, a folder, a hub id
+    examples, n_dropped = build_prompts(rows, tokenizer, max_prompt_tokens=256)
+    sampler = PromptSampler(examples, batch_size=64, seed=0, rank=rank, world_size=world_size)
+    batch = sampler.next_batch()                          # this rank's 64 // world_size prompts
+
+Rows are plain dicts; the scripts only need a prompt field and an answer field (GSM8K style:
+`question`, and `answer` ending in '#### <number>').
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+from dataclasses import dataclass
+
+DEFAULT_INSTRUCTION = "Solve the problem step by step. Give the final answer as '#### <number>' on the last line."
+
+ARITH_SPEC = "arith"
+ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED = 2000, 0
+ARITH_TEST_SIZE, ARITH_TEST_SEED = 200, 1
+
+_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
+
+
+# ---------------------------------------------------------------------------- loading rows
+
+
+def load_rows(spec: str, split: str, config: str | None = None) -> list[dict]:
+    """Load dataset rows (dicts) from `spec`.
+
+    spec is one of: "arith" (the builtin generated task, see make_arithmetic_rows); a local
+    .jsonl / .jsonl.gz / .json / .parquet file (split is ignored); a local folder holding
+    `{split}.jsonl` (or .jsonl.gz / .json / .parquet); or a Hugging Face hub dataset id, loaded with
+    `datasets.load_dataset(spec, config, split=split)`.
+    """
+    if spec == ARITH_SPEC:
+        if split == "train":
+            return make_arithmetic_rows(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED)
+        if split == "test":
+            train_questions = {r["question"] for r in make_arithmetic_rows(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED)}
+            return make_arithmetic_rows(ARITH_TEST_SIZE, ARITH_TEST_SEED, exclude=train_questions)
+        raise ValueError(f"dataset 'arith' has splits 'train' and 'test', not {split!r}")
+
+    path = os.path.expanduser(spec)
+    if os.path.isfile(path):
+        return _read_file(path)
+    if os.path.isdir(path):
+        for suffix in _SUFFIXES:
+            candidate = os.path.join(path, split + suffix)
+            if os.path.isfile(candidate):
+                return _read_file(candidate)
+        files = sorted(os.listdir(path))
+        raise FileNotFoundError(
+            f"dataset folder {spec!r} has no file for split {split!r} (looked for "
+            f"{', '.join(split + s for s in _SUFFIXES)}); it holds: {files}"
+        )
+    if spec.endswith(_SUFFIXES) or spec.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"dataset file or folder {spec!r} does not exist (cwd: {os.getcwd()})")
+
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(spec, config, split=split)
+    except Exception as e:
+        raise ValueError(
+            f"dataset {spec!r} is not a local file or folder, and loading it from the Hugging Face hub "
+            f"(datasets.load_dataset({spec!r}, {config!r}, split={split!r})) failed: {type(e).__name__}: {e}\n"
+            f"Pass a local .jsonl or .parquet file, a folder holding {split}.jsonl, a hub dataset id "
+            f"(with its config if it has several), or 'arith' for the builtin task."
+        ) from e
+    return ds.to_list()
+
+
+def _read_file(path: str) -> list[dict]:
+    """Rows of one .jsonl(.gz) / .json / .parquet file."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError:
+                data = None  # maybe JSON lines with a .json name
+        if data is None:
+            return _read_jsonl(path)
+        if isinstance(data, dict):  # {"data": [...]} or similar: the single list-valued key
+            lists = [v for v in data.values() if isinstance(v, list)]
+            if len(lists) != 1:
+                raise ValueError(f"{path}: expected a list of objects, got an object with keys {list(data)}")
+            data = lists[0]
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            raise ValueError(f"{path}: expected a list of objects (one per row)")
+        return data
+    if path.endswith((".jsonl", ".jsonl.gz")):
+        return _read_jsonl(path)
+    raise ValueError(f"{path}: unsupported file type; use .jsonl, .jsonl.gz, .json or .parquet")
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    """JSON lines, parsed line by line so a bad row is reported by its 1-based line number."""
+    rows = []
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {lineno} is not valid JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {lineno} is not a JSON object: {line.strip()[:80]!r}")
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------- builtin arithmetic task
+
+_NAMES = ["Tom", "Sara", "Ben", "Mia", "Leo", "Ana", "Sam", "Lily", "Max", "Nora", "Omar", "Ivy", "Raj", "Zoe"]
+_ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "coins", "shells", "cards", "eggs"]
+_BOXES = ["boxes", "bags", "baskets", "jars", "packs"]
+
+
+def _arith_problem(rng: random.Random) -> tuple[str, str, int]:
+    """One word problem: (question, worked solution line(s), integer answer)."""
+    name, item, box = rng.choice(_NAMES), rng.choice(_ITEMS), rng.choice(_BOXES)
+    kind = rng.choice(["add", "sub", "mul", "add_sub", "sub_add", "mul_add", "mul_sub"])
+    if kind == "add":
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        q = f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?"
+        return q, f"{name} has {a} + {b} = {a + b} {item}.", a + b
+    if kind == "sub":
+        a = rng.randint(2, 20)
+        b = rng.randint(1, a - 1)
+        q = f"{name} has {a} {item} and gives away {b} of them. How many {item} does {name} have left?"
+        return q, f"{name} has {a} - {b} = {a - b} {item} left.", a - b
+    if kind == "mul":
+        a, b = rng.randint(2, 10), rng.randint(2, 12)
+        q = f"{name} has {a} {box} with {b} {item} in each. How many {item} does {name} have in total?"
+        return q, f"{name} has {a} x {b} = {a * b} {item}.", a * b
+    if kind == "add_sub":
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        c = rng.randint(1, min(a + b, 20))
+        q = (f"{name} has {a} {item}, buys {b} more, and then gives {c} to a friend. "
+             f"How many {item} does {name} have now?")
+        return q, f"{name} has {a} + {b} = {a + b} {item}, then {a + b} - {c} = {a + b - c}.", a + b - c
+    if kind == "sub_add":
+        a = rng.randint(2, 20)
+        b, c = rng.randint(1, a - 1), rng.randint(1, 20)
+        q = (f"{name} has {a} {item}, loses {b} of them, and then finds {c} more. "
+             f"How many {item} does {name} have now?")
+        return q, f"{name} has {a} - {b} = {a - b} {item}, then {a - b} + {c} = {a - b + c}.", a - b + c
+    if kind == "mul_add":
+        a, b, c = rng.randint(2, 6), rng.randint(2, 10), rng.randint(1, 20)
+        q = (f"{name} has {a} {box} with {b} {item} in each, and {c} loose {item}. "
+             f"How many {item} does {name} have in total?")
+        return q, f"The {box} hold {a} x {b} = {a * b} {item}, and {a * b} + {c} = {a * b + c}.", a * b + c
+    a, b = rng.randint(2, 6), rng.randint(2, 10)  # mul_sub
+    c = rng.randint(1, min(a * b - 1, 20))
+    q = (f"{name} buys {a} {box} with {b} {item} in each and uses {c} of the {item}. "
+         f"How many {item} are left?")
+    return q, f"{name} buys {a} x {b} = {a * b} {item}, and {a * b} - {c} = {a * b - c} are left.", a * b - c
+
+
+def make_arithmetic_rows(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
+    """`n` distinct generated word problems (one or two of +, -, x; operands mostly 1..20).
+
+    Rows have `question` and `answer` (a worked line ending in '#### <int>', like GSM8K). Deterministic
+    in `seed`; questions in `exclude` are skipped (used to keep the test split disjoint from train).
+    """
+    rng = random.Random(seed)
+    seen = set(exclude or ())
+    rows = []
+    for _ in range(100 * n + 1000):
+        if len(rows) == n:
+            break
+        question, work, result = _arith_problem(rng)
+        if question in seen:
+            continue
+        seen.add(question)
+        rows.append({"question": question, "answer": f"{work}\n#### {result}"})
+    if len(rows) < n:
+        raise ValueError(f"could only generate {len(rows)} distinct arithmetic problems, asked for {n}")
+    return rows
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+@dataclass
+class PromptExample:
+    prompt_ids: list[int]
+    prompt_text: str
+    answer: str
+
+
+def build_prompts(
+    rows: list[dict],
+    tokenizer,
+    prompt_field: str = "question",
+    answer_field: str = "answer",
+    instruction: str | None = DEFAULT_INSTRUCTION,
+    max_prompt_tokens: int = 256,
+    chat_template: bool = True,
+) -> tuple[list[PromptExample], int]:
+    """Turn rows into tokenised prompts; returns (examples, number dropped for length).
+
+    The user message is `row[prompt_field] + "\\n" + instruction` (just the field if instruction is
+    None). With `chat_template` and a tokenizer that has one, it goes through the chat template with
+    add_generation_prompt=True (the template adds its own special tokens); otherwise the plain text is
+    tokenised with the tokenizer's default special tokens. Prompts longer than `max_prompt_tokens` are
+    dropped (not truncated: a cut question has no correct answer) and counted.
+    """
+    if rows:
+        fields = sorted(rows[0])
+        for field, flag in ((prompt_field, "--prompt-field"), (answer_field, "--answer-field")):
+            if field not in rows[0]:
+                raise ValueError(f"field {field!r} is not in the dataset rows, which have fields {fields}; "
+                                 f"pass {flag} <one of them>")
+    use_template = chat_template and getattr(tokenizer, "chat_template", None) is not None
+    texts, answers = [], []
+    for i, row in enumerate(rows):
+        if prompt_field not in row or answer_field not in row:
+            missing = prompt_field if prompt_field not in row else answer_field
+            raise ValueError(f"row {i} has no field {missing!r}; it has fields {sorted(row)}")
+        content = str(row[prompt_field]) if instruction is None else f"{row[prompt_field]}\n{instruction}"
+        if use_template:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
+        else:
+            text = content
+        texts.append(text)
+        answers.append(str(row[answer_field]))
+    if not texts:
+        return [], 0
+    ids = tokenizer(texts, add_special_tokens=not use_template)["input_ids"]
+    examples = [
+        PromptExample(prompt_ids=list(p), prompt_text=t, answer=a)
+        for p, t, a in zip(ids, texts, answers)
+        if len(p) <= max_prompt_tokens
+    ]
+    return examples, len(texts) - len(examples)
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+class PromptSampler:
+    """Seeded, epoch-reshuffled global batches of prompts, split across ranks.
+
+    Every rank computes the same global order (shuffled with seed + epoch), so rank r's share, items
+    [r * B/W, (r+1) * B/W) of each global batch of B, never overlaps another rank's. An epoch ends
+    when fewer than B examples are left (the remainder is skipped that epoch; the reshuffle moves
+    different examples into it next time). state_dict() / load_state_dict() resume exactly.
+    """
+
+    def __init__(self, examples: list[PromptExample], batch_size: int, seed: int, rank: int, world_size: int):
+        if batch_size % world_size != 0:
+            raise ValueError(f"prompt batch size {batch_size} is not divisible by the number of ranks "
+                             f"{world_size}; change the prompts-per-step flag (batch size) or the GPU count")
+        if batch_size > len(examples):
+            raise ValueError(f"prompt batch size {batch_size} is larger than the dataset ({len(examples)} "
+                             f"prompts after filtering); lower the prompts-per-step flag (batch size), "
+                             f"raise --max-prompt-tokens, or use a larger dataset")
+        self.examples = examples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    def _epoch_order(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            self._order = list(range(len(self.examples)))
+            random.Random(self.seed + self.epoch).shuffle(self._order)
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next_batch(self) -> list[PromptExample]:
+        """This rank's batch_size // world_size prompts of the next global batch."""
+        if self.position + self.batch_size > len(self.examples):
+            self.epoch += 1
+            self.position = 0
+        order = self._epoch_order()
+        per_rank = self.batch_size // self.world_size
+        start = self.position + self.rank * per_rank
+        self.position += self.batch_size
+        return [self.examples[i] for i in order[start : start + per_rank]]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])

@@ -1,0 +1,94 @@
+"""Process groups: the same script runs under torchrun (gloo on CPU, nccl on GPU) and as plain python."""
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str = "auto", timeout_min: int = 30) -> Dist:
+    """Initialise the default process group and pick this rank's device.
+
+    Under torchrun the env vars are set; as plain `python script.py` we form a group of one, so FSDP2 and
+    the collectives in the scripts take the same path either way. device: "auto" (cuda if available),
+    "cuda" or "cpu".
+    """
+    if "RANK" not in os.environ:  # plain python: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but no GPU is visible; use --device cpu")
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        # device_id binds the group to this GPU eagerly; vLLM's external launcher needs the group first.
+        dist.init_process_group("nccl", device_id=dev, timeout=datetime.timedelta(minutes=timeout_min))
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=timeout_min))
+    return Dist(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+def all_reduce(x: torch.Tensor | float, op: str = "sum", device: torch.device | None = None) -> torch.Tensor:
+    """All-reduce a tensor or a number across ranks (op: sum | max | min) and return the result."""
+    t = x.detach().clone() if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64,
+                                                                             device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return t
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order (small Python objects only: samples for logging, counts)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s object on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

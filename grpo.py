@@ -57,7 +57,7 @@ class Args:
     """where run folders go (metrics.jsonl, config.json, samples.jsonl, checkpoints)"""
     seed: int = 1
     """seed for data order, sampling and initialisation"""
-    num_steps: int = 20
+    num_steps: int = 8
     """rollout steps (generate, score, learn) to run"""
     track: bool = False
     """log to wandb (rank 0) as well as to metrics.jsonl"""
@@ -67,7 +67,7 @@ class Args:
     """log a table of (prompt, completion, reward) every this many steps (0: never)"""
     eval_every: int = 10
     """evaluate on the held-out split every this many steps, and at the start and end (0: never)"""
-    eval_size: int = 64
+    eval_size: int = 16
     """held-out prompts per evaluation (pass@1 with greedy decoding)"""
     eval_n: int = 0
     """also report mean@n accuracy over n samples at --temperature (0: greedy pass@1 only)"""
@@ -92,7 +92,7 @@ class Args:
     """apply the tokenizer's chat template to prompts"""
     max_prompt_tokens: int = 256
     """prompts longer than this are dropped (and counted)"""
-    max_new_tokens: int = 128
+    max_new_tokens: int = 96
     """completion length limit; longer completions are truncated (see --overlong)"""
     reward_fn: str = "math"
     """'math' (answer checked with math-verify), 'format', or a custom pkg.module:function (common/rewards.py)"""
@@ -146,8 +146,8 @@ class Args:
     max_grad_norm: float = 1.0
     """clip the global gradient norm (0: no clipping)"""
     # ---- batch geometry ----------------------------------------------------------------------------------
-    prompts_per_step: int = 8
-    """P: prompts per rollout step, over all ranks"""
+    prompts_per_step: int = 0
+    """P: prompts per rollout step, over all ranks (0: 2 per rank)"""
     num_minibatches: int = 1
     """mini-batches (optimiser steps) per epoch over the rollout"""
     num_epochs: int = 1
@@ -240,6 +240,31 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tenso
     return (r.max(1).values > r.min(1).values).repeat_interleave(group_size)
 
 
+def policy_loss(logp, entropy, mask, adv, old_logp, ref_logp, engine_logp, args: Args, normaliser: float):
+    """One micro-batch's share of the GRPO loss, and its summed statistics. All (b, T) except adv (b,).
+    ref_logp is None when kl_coef == 0; engine_logp is 0 where the engine gave no log-probs."""
+    loss_tok, clipped = clipped_pg_loss(logp, old_logp, adv, args.clip_eps_low, args.clip_eps_high)  # (b, T)
+    has_engine_logp = engine_logp.ne(0)
+    stats = {}
+    if args.tis_cap > 0:  # truncated IS: the engine sampled from a slightly different pi than the trainer computes
+        w = torch.exp(old_logp - engine_logp).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
+        loss_tok = loss_tok * w
+        stats["tis_w"] = (w * mask).sum().detach()
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, args.kl_estimator)
+        loss_tok = loss_tok + args.kl_coef * kl
+        stats["kl"] = (kl * mask).sum().detach()
+    if args.entropy_coef:
+        loss_tok = loss_tok - args.entropy_coef * entropy
+    loss = aggregate_loss(loss_tok, mask, args.loss_agg, normaliser)
+    with torch.no_grad():
+        gap = ((old_logp - engine_logp).abs() * mask).where(has_engine_logp, 0.0)  # engine-vs-trainer log-prob gap
+        stats |= {"pg_loss": (loss_tok * mask).sum(), "entropy": (entropy * mask).sum(),
+                  "clip_frac": (clipped.float() * mask).sum(), "tokens": mask.sum(), "gap_sum": gap.sum(),
+                  "gap_max": gap.max() if gap.numel() else gap.new_zeros(())}
+    return loss, stats
+
+
 def lr_lambda(step: int, warmup_steps: int, num_steps: int, schedule: str) -> float:
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -268,6 +293,7 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
         logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature)
         if mb_rows:
             out[mb_rows] = mb.unpack(logp, width)
+    model.reshard()  # FSDP2 leaves the root unsharded after a forward with no backward: free it, never reuse it stale
     return D.all_reduce(out)[rows]
 
 
@@ -303,6 +329,8 @@ def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
 def main(args: Args) -> None:
     d = D.init_distributed(args.device)
     D.seed_everything(args.seed)
+    if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
+        args.prompts_per_step = 2 * d.world_size
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
     if args.prompts_per_step % d.world_size:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
@@ -457,7 +485,7 @@ def main(args: Args) -> None:
                 old_logp[rows_all] = sequence_logprobs(policy, prompts, responses, lengths, rows_all, d.world_size,
                                                        d.rank, args.max_tokens_per_microbatch, args.temperature,
                                                        width, d.device)
-        stats = {k: torch.zeros((), device=d.device) for k in
+        stats = {k: torch.zeros((), device=d.device) for k in  # sums over tokens (and epochs), except gap_max
                  ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "gap_max", "tis_w")}
         grad_norms = []
         gen = torch.Generator().manual_seed(args.seed + step)
@@ -477,33 +505,14 @@ def main(args: Args) -> None:
                             (logp.sum() * 0.0).backward()
                             continue
                         logp, entropy = mb.unpack(logp, width), mb.unpack(entropy, width)  # (b, T)
-                        m = mask[mb_rows]  # (b, T)
-                        old = old_logp[mb_rows] if old_logp is not None else logp.detach()
-                        loss_tok, clipped = clipped_pg_loss(logp, old, adv[mb_rows], args.clip_eps_low,
-                                                            args.clip_eps_high)  # (b, T)
-                        has_engine_logp = engine_logp[mb_rows].ne(0)
-                        if args.tis_cap > 0:  # truncated IS: correct for the engine sampling from a slightly other pi
-                            w = torch.exp(old - engine_logp[mb_rows]).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
-                            loss_tok = loss_tok * w
-                            stats["tis_w"] += (w * m).sum().detach()
-                        if ref_logp is not None:
-                            kl = kl_penalty(logp, ref_logp[mb_rows], args.kl_estimator)
-                            loss_tok = loss_tok + args.kl_coef * kl
-                            stats["kl"] += (kl * m).sum().detach()
-                        if args.entropy_coef:
-                            loss_tok = loss_tok - args.entropy_coef * entropy
+                        loss, mb_stats = policy_loss(
+                            logp, entropy, mask[mb_rows], adv[mb_rows],
+                            old_logp[mb_rows] if old_logp is not None else logp.detach(),
+                            ref_logp[mb_rows] if ref_logp is not None else None, engine_logp[mb_rows], args, normaliser)
                         # FSDP averages gradients over ranks; the normaliser already covers every rank, so undo it.
-                        loss = aggregate_loss(loss_tok, m, args.loss_agg, normaliser) * d.world_size
-                        loss.backward()
-                        with torch.no_grad():
-                            stats["pg_loss"] += (loss_tok * m).sum()
-                            stats["entropy"] += (entropy * m).sum()
-                            stats["clip_frac"] += (clipped.float() * m).sum()
-                            stats["tokens"] += m.sum()
-                            if epoch == 0:  # vLLM-vs-trainer log-prob gap on the sampled tokens, before any update
-                                gap = ((old - engine_logp[mb_rows]).abs() * m).where(has_engine_logp, 0.0)
-                                stats["gap_sum"] += gap.sum()
-                                stats["gap_max"] = torch.maximum(stats["gap_max"], gap.max() if gap.numel() else 0)
+                        (loss * d.world_size).backward()
+                        for k, v in mb_stats.items():
+                            stats[k] = torch.maximum(stats[k], v) if k == "gap_max" else stats[k] + v
                     grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -531,13 +540,13 @@ def main(args: Args) -> None:
             "rollout/response_len_mean": resp_len.float().mean(), "rollout/response_len_max": resp_len.max(),
             "rollout/truncated_frac": truncated.float().mean(),
             "rollout/groups_dropped": (B - len(rows_all)) // G, "rollout/sequences_trained": len(rows_all),
-            "train/loss": float(stats["pg_loss"]) / ntok / max(1, args.num_epochs),
+            "train/loss": float(stats["pg_loss"]) / ntok,
             "train/entropy": float(stats["entropy"]) / ntok, "train/clip_frac": float(stats["clip_frac"]) / ntok,
             "train/grad_norm": sum(grad_norms) / max(1, steps_done), "train/lr": lr,
             "train/optimizer_steps": steps_done,
             **({"train/kl": float(stats["kl"]) / ntok} if ref is not None else {}),
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
-            **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) * args.num_epochs / ntok,
+            **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) / ntok,
                 "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_logp.any() else {}),
             **{f"perf/{k}": v for k, v in perf.items()},
             "perf/tokens_per_s_per_gpu": total_tokens / perf["step_s"] / d.world_size,

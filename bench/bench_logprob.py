@@ -2,8 +2,8 @@
 
 Compares, at N tokens, hidden size H, vocabulary V (default a Qwen2.5-7B head, 32k tokens, bf16):
   naive   torch: logits, fp32 log_softmax, gather, entropy (materialises N x V several times)
-  liger   Liger-Kernel's LigerFusedLinearCrossEntropyLoss (log-prob only, no entropy; it computes its
-          gradients during the forward, so its "fwd" already holds most of the backward's work)
+  liger   Liger-Kernel's LigerFusedLinearCrossEntropyLoss (log-prob only, no entropy; it computes
+          its gradients during the forward, so its "fwd" already holds most of the backward's work)
   matmul  the bare matmuls, the floor: h @ W^T forward; dlogits @ W and dlogits^T @ h backward
   ours    token_logprobs(impl="fused")
 Times are triton.testing.do_bench medians (ms); memory is the peak allocated above the inputs during
@@ -21,7 +21,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kernels.logprob import token_logprobs  # noqa: E402
+import kernels.logprob as klp  # noqa: E402
+from kernels.logprob import logprob_reference, token_logprobs  # noqa: E402
 
 
 def naive(h, w, t, temperature):
@@ -95,6 +96,21 @@ def bench_matmuls(h, w, rep):
     return {"name": "matmul", "fwd_ms": fwd, "fwd_bwd_ms": fwd + bwd}
 
 
+def check_rows(h, w, t, g, temperature, rows=1024):
+    """Ours on the full problem against the fp32 reference on its first rows (values and dh)."""
+    hs = h.detach().clone().requires_grad_()
+    logp, ent = ours(hs, w, t, temperature)
+    (logp * g[0] + ent * g[1]).sum().backward()
+    hr = h.detach()[:rows].float().requires_grad_()
+    ref_lp, ref_ent = logprob_reference(hr, w.detach(), t[:rows], temperature)
+    (ref_lp * g[0][:rows] + ref_ent * g[1][:rows]).sum().backward()
+    err = [(logp[:rows] - ref_lp).abs().max().item(), (ent[:rows] - ref_ent).abs().max().item(),
+           ((hs.grad[:rows].float() - hr.grad).abs().max() / hr.grad.abs().max()).item()]
+    print(f"check vs fp32 reference on {rows} rows: max|dlogp| {err[0]:.2e}, max|dentropy| "
+          f"{err[1]:.2e}, max|d dh| / max|dh| {err[2]:.2e}", flush=True)
+    w.grad = None
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--N", type=int, default=32768, help="tokens")
@@ -113,27 +129,33 @@ def main():
     w = (torch.randn(V, H, device="cuda", dtype=dtype) / H**0.5).requires_grad_()  # (V, H)
     t = torch.randint(0, V, (N,), device="cuda")  # (N,)
     g = (torch.randn(N, device="cuda"), torch.randn(N, device="cuda"))  # upstream grads
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} N={N} H={H} V={V} {args.dtype}")
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} N={N} H={H} V={V} "
+          f"{args.dtype}")
     skip = set(args.skip.split(","))
 
+    print(f"{'impl':8s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'extra mem GB':>13s}", flush=True)
     rows = []
-    rows.append(bench("ours", ours, h, w, t, g, args.temperature, args.rep))
+
+    def report(r):
+        rows.append(r)
+        if "error" in r:
+            print(f"{r['name']:8s} {r['error']}", flush=True)
+            return
+        mem = f"{r['mem_gb']:13.2f}" if "mem_gb" in r else f"{'-':>13s}"
+        print(f"{r['name']:8s} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f} {mem}", flush=True)
+
+    report(bench("ours", ours, h, w, t, g, args.temperature, args.rep))
+    print("configs chosen:", {k[0]: v for k, v in klp.TUNED.items()} or "defaults", flush=True)
+    check_rows(h, w, t, g, args.temperature)
     if "matmul" not in skip:
-        rows.append(bench_matmuls(h, w, args.rep))
+        report(bench_matmuls(h, w, args.rep))
     if "liger" not in skip:
         liger = make_liger()
         if liger is not None:
-            rows.append(bench("liger", liger, h, w, t, g[:1], args.temperature, args.rep))
+            report(bench("liger", liger, h, w, t, g[:1], args.temperature, args.rep))
     if "naive" not in skip:
-        rows.append(bench("naive", naive, h, w, t, g, args.temperature, args.rep))
+        report(bench("naive", naive, h, w, t, g, args.temperature, args.rep))
 
-    print(f"{'impl':8s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'extra mem GB':>13s}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['name']:8s} {r['error']}")
-            continue
-        mem = f"{r['mem_gb']:13.2f}" if "mem_gb" in r else f"{'-':>13s}"
-        print(f"{r['name']:8s} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f} {mem}")
     by = {r["name"]: r for r in rows if "error" not in r}
     logits_gb = N * V * 4 / 1e9
     if "matmul" in by and "ours" in by:

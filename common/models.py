@@ -129,5 +129,5 @@ class TokenLogProbs(nn.Module):
         flat = targets.flatten()  # (T,)
         sel = (flat != -100).nonzero().squeeze(1)  # only positions that predict a scored token reach the LM head
         logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
-        scatter = lambda x: x.new_zeros(flat.shape).index_put((sel,), x).view_as(targets)  # (1, T)
+        scatter = lambda x: x.new_zeros(targets.shape).index_put((torch.zeros_like(sel), sel), x)  # (1, T)
         return scatter(logp), scatter(entropy)

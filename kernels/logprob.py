@@ -27,19 +27,19 @@ Only lse and H (N,) fp32 are saved; the backward recomputes z.
 
 Implementation choices (impl="fused", Triton)
 ---------------------------------------------
-Forward: one kernel, a GEMM with an online-softmax epilogue. Program = (block of BLOCK_N rows, range
-of V); it loops over BLOCK_V chunks of its range and over H in BLOCK_K steps (tl.dot, fp32
-accumulate), and writes (N,) partial stats per V range; a few (S, N) torch ops merge them. Splitting V
-keeps the GPU full at small N, and the programs are launched in groups (GROUP_N row blocks x all V
-ranges) so that the h and W tiles in flight fit in L2, as a tiled GEMM's grouped ordering does.
+Forward: one kernel, a GEMM with an online-softmax epilogue. Program = (block of BLOCK_N rows,
+range of V); it loops over BLOCK_V chunks of its range and over H in BLOCK_K steps (tl.dot, fp32
+accumulate), and writes (N,) partial stats per V range; a few (S, N) torch ops merge them.
+Splitting V keeps the GPU full at small N, and programs are launched in groups (GROUP_N row blocks
+x all V ranges) so that the h and W tiles in flight fit in L2, as a tiled GEMM's grouped order does.
 
 Backward: in chunks of rows (at most _BWD_CHUNK_BYTES of dlogits), a Triton GEMM kernel recomputes
-the logits tile by tile and writes dlogits (rows, V) in the input dtype straight from registers; then
-cuBLAS does dh[rows] = dlogits @ W and dW += dlogits^T @ h[rows] (fp32 accumulator across chunks).
-Why not keep everything in registers: a program owning dh rows must hold a (BLOCK_N, H) accumulator
-(917 KB at H = 3584) or recompute the logits once per H slice; one kernel for dh and another for dW
-costs 5 GEMMs instead of 4; atomics cost N H V / BLOCK_V read-modify-writes (about 1 TB at
-N = 32k, V = 152k). A bounded dlogits buffer costs 4 GEMMs (3 on cuBLAS) plus streaming the buffer.
+the logits tile by tile and writes dlogits (rows, V) in the input dtype straight from registers;
+then cuBLAS does dh[rows] = dlogits @ W and dW += dlogits^T @ h[rows] (fp32 accumulator across
+chunks). Why not keep everything in registers: a program owning dh rows must hold a (BLOCK_N, H)
+accumulator (917 KB at H = 3584) or recompute the logits once per H slice; one kernel for dh and
+another for dW costs 5 GEMMs instead of 4; atomics cost N H V / BLOCK_V read-modify-writes (about
+1 TB at N = 32k, V = 152k). A bounded dlogits buffer costs 4 GEMMs (3 on cuBLAS) plus streaming it.
 Any design that recomputes logits needs 4 GEMMs against the 3 of a plain matmul forward+backward,
 so fwd+bwd is at least 4/3 of the bare-matmul floor.
 """
@@ -116,7 +116,7 @@ if HAS_TRITON:
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_N: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr):
-        """Partial (max, sum exp, sum exp * (z - max), target logit) of one row block over one V range."""
+        """Partial max, sum exp, sum exp * (z - max), target logit: one row block, one V range."""
         pid = tl.program_id(0)
         num_rb = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_N * S
@@ -220,10 +220,44 @@ def _input_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"  # ignored for bf16/fp16 inputs
 
 
-def _fused_forward(hidden, weight, targets, temperature):
+# Candidates timed once per (kernel, dtype, H, V, N bucket) on large bf16/fp16 problems; the first
+# is the default. BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages.
+_CANDIDATES = {
+    "fwd": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
+            (128, 128, 128, 8, 3), (64, 256, 64, 4, 4)],
+    "bwd": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+            (128, 128, 128, 8, 3)],
+}
+_TUNE_MIN_WORK = 1 << 40  # N * H * V below which the default config is used untimed
+TUNED = {}  # (kind, dtype, H, V, N bucket) -> chosen config; read by bench/bench_logprob.py
+
+
+def _pick(kind, hidden, weight, launch):
+    """Block config for this problem: the default, or the fastest candidate (timed once)."""
+    cfg = _configs(kind, hidden.dtype, hidden.device)
+    (N, H), V = hidden.shape, weight.shape[0]
+    if (_interpreting() or hidden.device.type != "cuda" or hidden.dtype == torch.float32
+            or N * H * V < _TUNE_MIN_WORK or os.environ.get("LOGPROB_TUNE", "1") == "0"):
+        return cfg
+    key = (kind, hidden.dtype, H, V, N.bit_length())
+    if key not in TUNED:
+        from triton.testing import do_bench
+
+        best = (float("inf"), cfg)
+        for bn, bv, bk, warps, stages in _CANDIDATES[kind]:
+            c = dict(cfg, BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            try:
+                ms = do_bench(lambda: launch(c), warmup=1, rep=5)
+            except Exception:  # e.g. out of shared memory for this tile
+                continue
+            best = min(best, (ms, c), key=lambda x: x[0])
+        TUNED[key] = best[1]
+    return TUNED[key]
+
+
+def _launch_fwd(hidden, weight, targets, temperature, cfg):
     N, H = hidden.shape
     V = weight.shape[0]
-    cfg = _configs("fwd", hidden.dtype, hidden.device)
     BN, BV = cfg["BLOCK_N"], cfg["BLOCK_V"]
     # Split V into S ranges so that (row blocks x S) programs fill the GPU at any N. S comes from a
     # coarse rule (not from N exactly) because CHUNKS is a constexpr: few recompiles as N varies.
@@ -232,14 +266,19 @@ def _fused_forward(hidden, weight, targets, temperature):
     cols = max(triton.cdiv(triton.cdiv(V, want), BV) * BV, 4 * BV)  # a multiple of BLOCK_V
     S = triton.cdiv(V, cols)  # every range is non-empty
     part = torch.empty(4, S, N, device=hidden.device, dtype=torch.float32)  # (4, S, N)
-    grid = (row_blocks * S,)
-    _fwd_kernel[grid](
+    _fwd_kernel[(row_blocks * S,)](
         hidden, weight, targets, part, N, V, H, cols, cols // BV, S, 1.0 / temperature,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         BLOCK_N=BN, BLOCK_V=BV, BLOCK_K=cfg["BLOCK_K"], GROUP_N=cfg["GROUP_N"],
         EVEN_K=H % cfg["BLOCK_K"] == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
         UPCAST=_interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    return part
+
+
+def _fused_forward(hidden, weight, targets, temperature):
+    launch = lambda c: _launch_fwd(hidden, weight, targets, temperature, c)  # noqa: E731
+    part = launch(_pick("fwd", hidden, weight, launch))  # (4, S, N)
     m, s, a, zt = part.unbind(0)  # each (S, N)
     m_max = m.max(0).values  # (N,)
     scale = torch.exp(m - m_max)  # (S, N)
@@ -252,13 +291,33 @@ def _fused_forward(hidden, weight, targets, temperature):
     return logp, entropy, lse
 
 
+_ADDMM_FP32 = {}  # device type -> whether addmm(out_dtype=float32, out=acc) works in place
+
+
+def _addmm_fp32_(acc, a, b):
+    """acc (fp32) += a @ b for bf16/fp16 a, b, in one cuBLAS call where torch supports it."""
+    dev = acc.device.type
+    if dev not in _ADDMM_FP32:
+        try:
+            x = torch.randn(8, 16, device=acc.device).to(a.dtype)
+            y = torch.randn(16, 4, device=acc.device).to(a.dtype)
+            c = torch.ones(8, 4, device=acc.device)
+            torch.addmm(c, x, y, out_dtype=torch.float32, out=c)
+            _ADDMM_FP32[dev] = torch.allclose(c, 1 + x.float() @ y.float(), rtol=1e-3, atol=1e-3)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ADDMM_FP32[dev] = False
+    if _ADDMM_FP32[dev]:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += a @ b
+
+
 def _fused_backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature,
                     need_dh, need_dw):
     N, H = hidden.shape
     V = weight.shape[0]
     cfg = _configs("bwd", hidden.dtype, hidden.device)
-    BN, BV = cfg["BLOCK_N"], cfg["BLOCK_V"]
-    rows = max(BN, (_BWD_CHUNK_BYTES // (V * hidden.element_size())) // BN * BN)
+    rows = max(cfg["BLOCK_N"], (_BWD_CHUNK_BYTES // (V * hidden.element_size())) // 256 * 256)
     rows = min(rows, N)
     dh = torch.empty_like(hidden) if need_dh else None
     dw = None
@@ -268,18 +327,24 @@ def _fused_backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperat
     dl = torch.empty(rows, V, device=hidden.device, dtype=hidden.dtype)  # (rows, V) reused
     for r0 in range(0, N, rows):
         r1 = min(r0 + rows, N)
-        n = r1 - r0
         h_c = hidden[r0:r1]
-        dl_c = dl[:n]
-        grid = (triton.cdiv(n, BN) * triton.cdiv(V, BV),)
-        _dlogits_kernel[grid](
-            h_c, weight, targets[r0:r1], lse[r0:r1], entropy[r0:r1], g_lp[r0:r1], g_ent[r0:r1],
-            dl_c, n, V, H, 1.0 / temperature,
-            h_c.stride(0), h_c.stride(1), weight.stride(0), weight.stride(1), dl_c.stride(0),
-            BLOCK_N=BN, BLOCK_V=BV, BLOCK_K=cfg["BLOCK_K"], GROUP_N=cfg["GROUP_N"],
-            EVEN_K=H % cfg["BLOCK_K"] == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
-            UPCAST=_interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        dl_c = dl[: r1 - r0]
+
+        def launch(c):
+            grid = (triton.cdiv(r1 - r0, c["BLOCK_N"]) * triton.cdiv(V, c["BLOCK_V"]),)
+            _dlogits_kernel[grid](
+                h_c, weight, targets[r0:r1], lse[r0:r1], entropy[r0:r1], g_lp[r0:r1],
+                g_ent[r0:r1], dl_c, r1 - r0, V, H, 1.0 / temperature,
+                h_c.stride(0), h_c.stride(1), weight.stride(0), weight.stride(1), dl_c.stride(0),
+                BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"], BLOCK_K=c["BLOCK_K"],
+                GROUP_N=c["GROUP_N"], EVEN_K=H % c["BLOCK_K"] == 0,
+                INPUT_PRECISION=_input_precision(hidden.dtype), UPCAST=_interpreting(),
+                num_warps=c["num_warps"], num_stages=c["num_stages"],
+            )
+
+        if r0 == 0:
+            cfg = _pick("bwd", h_c, weight, launch)
+        launch(cfg)
         if need_dh:
             torch.mm(dl_c, weight, out=dh[r0:r1])
         if need_dw:
@@ -288,7 +353,7 @@ def _fused_backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperat
             elif hidden.dtype == torch.float32:
                 dw_acc.addmm_(dl_c.t(), h_c)
             else:
-                dw_acc += dl_c.t() @ h_c
+                _addmm_fp32_(dw_acc, dl_c.t(), h_c)
     if dw_acc is not None:
         dw = dw_acc.to(weight.dtype)
     return dh, dw
@@ -322,7 +387,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
 
 
 def token_logprobs(hidden, weight, targets, temperature: float = 1.0, impl: str = "auto"):
-    """(logp (N,) fp32, entropy (N,) fp32) of targets under softmax(hidden @ weight.T / temperature).
+    """(logp (N,), entropy (N,)) in fp32 of targets under softmax(hidden @ weight.T / temperature).
 
     impl: "fused" (Triton), "torch" (fp32 reference, materialises the logits), "auto" (fused when
     on CUDA with Triton importable, torch otherwise).

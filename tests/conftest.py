@@ -66,7 +66,7 @@ def tiny_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: dict | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
     """Run a script of the repo under torchrun on CPU (gloo) and return the finished process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
                 "WANDB_MODE": "disabled", **(env or {})}

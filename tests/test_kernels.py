@@ -11,7 +11,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when kernels.logprob is imported.
+    # Triton reads TRITON_INTERPRET when a kernel is decorated: when kernels.logprob is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kernels.logprob as lp  # noqa: E402
@@ -158,7 +158,7 @@ def test_backward_in_row_chunks(dtype, monkeypatch):
 
 @needs_triton
 def test_tied_embedding():
-    # The LM head reuses the input embedding: dW = d(embedding lookup) + d(head), summed by autograd.
+    # The LM head reuses the input embedding: autograd sums d(embedding lookup) and d(head).
     V, H, N = 120, 32, 24
     hidden, weight, tgt, g_lp, g_ent = make_inputs(N, H, V, torch.float32)
     ids = torch.randint(0, V, (N,), device=DEV)

@@ -162,8 +162,8 @@ def _tiny_qwen2(path, seed):
                       tie_word_embeddings=True, eos_token_id=151643, bos_token_id=151643)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():  # tied embedding std 0.2 (not 0.02): logits spread (std ~3), greedy rarely near-ties;
-        model.model.embed_tokens.weight.normal_(0.0, 0.2)  # the layers' outputs stay comparable (~0.1 / dim)
+    with torch.no_grad():  # final norm x10: logits spread (std ~3, median top-2 gap ~4), so greedy choices are
+        model.model.norm.weight.fill_(10.0)  # mostly clear; a larger embedding std would make it copy its input
     model = model.to(torch.bfloat16)
     model.save_pretrained(path)
     return model

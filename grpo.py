@@ -315,15 +315,18 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
     return D.all_reduce(out)[rows]
 
 
-def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed, temperature):
-    """Sample n completions per prompt on this rank and score them. Returns the rollout, the texts and the scores."""
-    rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
-                              top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
-                              stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
-    texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
-    prompts = [e.prompt_text for e in examples for _ in range(n)]
-    answers = [e.answer for e in examples for _ in range(n)]
-    res = score(reward_fn, prompts, texts, answers, timeout_s=args.reward_timeout)
+def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed, temperature, perf: dict):
+    """Sample n completions per prompt on this rank and score them (seconds into perf: generate_s, score_s).
+    Returns the rollout, the texts, prompts, answers and the scores."""
+    with timed(perf, "generate"):
+        rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
+                                  top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
+                                  stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
+    with timed(perf, "score"):
+        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        prompts = [e.prompt_text for e in examples for _ in range(n)]
+        answers = [e.answer for e in examples for _ in range(n)]
+        res = score(reward_fn, prompts, texts, answers, timeout_s=args.reward_timeout)
     return rollout, texts, prompts, answers, res
 
 
@@ -333,7 +336,7 @@ def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
     modes = [("accuracy", 1, 0.0)] + ([(f"mean_at_{args.eval_n}", args.eval_n, args.temperature)] if args.eval_n else [])
     for name, n, temp in modes:
         rollout, texts, prompts, answers, res = generate_and_score(engine, examples, n, args, reward_fn, tok,
-                                                                   stop_ids, args.seed + 7919 * step, temp)
+                                                                   stop_ids, args.seed + 7919 * step, temp, {})
         correct = D.all_reduce(sum(r > 0 for r in res.rewards))
         count = D.all_reduce(len(res.rewards))
         metrics[f"eval/{name}"] = float(correct / count.clamp(min=1))
@@ -460,10 +463,9 @@ def main(args: Args) -> None:
 
         # ---- 1. generate ------------------------------------------------------------------------------------
         batch = sampler.next_batch()  # this rank's P / world prompts
-        with timed(perf, "generate"):
-            rollout, texts, prompt_texts, answers, res = generate_and_score(
-                engine, batch, G, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
-                args.temperature)
+        rollout, texts, prompt_texts, answers, res = generate_and_score(
+            engine, batch, G, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
+            args.temperature, perf)
         with timed(perf, "sleep"):
             engine.sleep()  # hand the memory to training
         if res.first_error:
@@ -527,6 +529,7 @@ def main(args: Args) -> None:
                         continue
                     normaliser = loss_normaliser(mask[minibatch], args.loss_agg, args.max_new_tokens)
                     micro = shard_microbatches(lengths, minibatch, d.world_size, d.rank, args.max_tokens_per_microbatch)
+                    mb_loss = torch.zeros((), device=d.device)  # this mini-batch's loss, for the non-finite guard
                     for i, mb_rows in enumerate(micro):
                         mb = pack(prompts, responses, mb_rows).to(d.device)
                         policy.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per mini-batch
@@ -542,10 +545,11 @@ def main(args: Args) -> None:
                             ref_logp[mb_rows] if ref_logp is not None else None, engine_logp[mb_rows], args, normaliser)
                         # FSDP averages gradients over ranks; the normaliser already covers every rank, so undo it.
                         (loss * d.world_size).backward()
+                        mb_loss += loss.detach()
                         for k, v in mb_stats.items():
                             stats[k] = torch.maximum(stats[k], v) if k == "gap_max" else stats[k] + v
                     grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
-                    if guard.check(grad_norms[-1], float(stats["pg_loss"]), step):  # non-finite: skip, stop after k
+                    if guard.check(grad_norms[-1], float(mb_loss), step):  # non-finite: skip the update, stop after k
                         optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
@@ -596,7 +600,7 @@ def main(args: Args) -> None:
             tracker.log_samples([{"prompt": prompt_texts[i], "completion": texts[i], "answer": answers[i],
                                   "reward": float(rewards[i])} for i in range(min(4, len(texts)))], step)
         if d.is_main:
-            print(f"step {step:4d} | reward {float(rewards.mean()):.3f} | correct {float((rewards > 0).float().mean()):.3f}"
+            print(f"step {step:4d} | reward {float(rewards.mean()):.3f} | correct {float(correct.float().mean()):.3f}"
                   f" | len {float(resp_len.float().mean()):6.1f} | loss {metrics['train/loss']:+.4f}"
                   f" | {perf['step_s']:.1f} s/step"
                   + "".join(f" | {k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")), flush=True)

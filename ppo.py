@@ -397,15 +397,18 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
 
 
 # Same as grpo.py:generate_and_score
-def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed, temperature):
-    """Sample n completions per prompt on this rank and score them. Returns the rollout, the texts and the scores."""
-    rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
-                              top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
-                              stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
-    texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
-    prompts = [e.prompt_text for e in examples for _ in range(n)]
-    answers = [e.answer for e in examples for _ in range(n)]
-    res = score(reward_fn, prompts, texts, answers, timeout_s=args.reward_timeout)
+def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed, temperature, perf: dict):
+    """Sample n completions per prompt on this rank and score them (seconds into perf: generate_s, score_s).
+    Returns the rollout, the texts, prompts, answers and the scores."""
+    with timed(perf, "generate"):
+        rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
+                                  top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
+                                  stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
+    with timed(perf, "score"):
+        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        prompts = [e.prompt_text for e in examples for _ in range(n)]
+        answers = [e.answer for e in examples for _ in range(n)]
+        res = score(reward_fn, prompts, texts, answers, timeout_s=args.reward_timeout)
     return rollout, texts, prompts, answers, res
 
 
@@ -416,7 +419,7 @@ def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
     modes = [("accuracy", 1, 0.0)] + ([(f"mean_at_{args.eval_n}", args.eval_n, args.temperature)] if args.eval_n else [])
     for name, n, temp in modes:
         rollout, texts, prompts, answers, res = generate_and_score(engine, examples, n, args, reward_fn, tok,
-                                                                   stop_ids, args.seed + 7919 * step, temp)
+                                                                   stop_ids, args.seed + 7919 * step, temp, {})
         correct = D.all_reduce(sum(r > 0 for r in res.rewards))
         count = D.all_reduce(len(res.rewards))
         metrics[f"eval/{name}"] = float(correct / count.clamp(min=1))
@@ -558,10 +561,9 @@ def main(args: Args) -> None:
 
         # ---- 1. generate ------------------------------------------------------------------------------------
         batch = sampler.next_batch()  # this rank's P / world prompts
-        with timed(perf, "generate"):
-            rollout, texts, prompt_texts, answers, res = generate_and_score(
-                engine, batch, n, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
-                args.temperature)
+        rollout, texts, prompt_texts, answers, res = generate_and_score(
+            engine, batch, n, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
+            args.temperature, perf)
         with timed(perf, "sleep"):
             engine.sleep()  # hand the memory to training
         if res.first_error:
@@ -627,6 +629,7 @@ def main(args: Args) -> None:
                         continue
                     normaliser = loss_normaliser(mask[minibatch], args.loss_agg, args.max_new_tokens)
                     micro = shard_microbatches(lengths, minibatch, d.world_size, d.rank, args.max_tokens_per_microbatch)
+                    mb_loss = torch.zeros((), device=d.device)  # this mini-batch's loss, for the non-finite guard
                     for i, mb_rows in enumerate(micro):
                         mb = pack(prompts, responses, mb_rows).to(d.device)
                         policy.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per mini-batch
@@ -657,6 +660,7 @@ def main(args: Args) -> None:
                         vf_loss = aggregate_loss(vf_tok, m, args.loss_agg, normaliser) * d.world_size
                         # two separate models: one backward fills both; during critic warm-up the policy gets none
                         (args.vf_coef * vf_loss + (pg_loss if train_policy else 0.0 * pg_loss)).backward()
+                        mb_loss += (pg_loss + vf_loss).detach()
                         with torch.no_grad():
                             stats["pg_loss"] += (loss_tok * m).sum()
                             stats["vf_loss"] += (vf_tok * m).sum()
@@ -671,8 +675,7 @@ def main(args: Args) -> None:
                                 stats["gap_max"] = torch.maximum(stats["gap_max"], gap.max() if gap.numel() else 0)
                     critic_grad_norms.append(clip_grad_norm(critic, args.max_grad_norm))
                     grad_norms.append(clip_grad_norm(policy, args.max_grad_norm) if train_policy else 0.0)
-                    if guard.check(grad_norms[-1] + critic_grad_norms[-1], float(stats["pg_loss"] + stats["vf_loss"]),
-                                   step):  # non-finite: skip both updates, stop after k in a row
+                    if guard.check(grad_norms[-1] + critic_grad_norms[-1], float(mb_loss), step):  # non-finite: skip both updates, stop after k in a row
                         critic_optimizer.step()
                         if train_policy:
                             optimizer.step()
@@ -744,7 +747,7 @@ def main(args: Args) -> None:
             tracker.log_samples([{"prompt": prompt_texts[i], "completion": texts[i], "answer": answers[i],
                                   "reward": float(rewards[i])} for i in range(min(4, len(texts)))], step)
         if d.is_main:
-            print(f"step {step:4d} | reward {float(rewards.mean()):.3f} | correct {float((rewards > 0).float().mean()):.3f}"
+            print(f"step {step:4d} | reward {float(rewards.mean()):.3f} | correct {float(correct.float().mean()):.3f}"
                   f" | len {float(resp_len.float().mean()):6.1f} | loss {metrics['train/loss']:+.4f}"
                   f" | {perf['step_s']:.1f} s/step"
                   + "".join(f" | {k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")), flush=True)

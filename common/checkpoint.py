@@ -292,7 +292,7 @@ def install_stop_handler() -> StopFlag:
 
 def stop_agreed(flag: StopFlag) -> bool:
     """True on every rank when any rank was asked to stop (an all-reduce max: call it on every rank, every step)."""
-    return bool(D.all_reduce(float(flag.requested), op="max", device=_device()) > 0)
+    return bool(D.all_reduce(float(flag.requested), op="max") > 0)
 
 
 def _device() -> torch.device:
@@ -315,7 +315,7 @@ def set_deterministic(on: bool) -> None:
 def all_finite(*values: float) -> bool:
     """True on every rank when every value is finite on every rank (an all-reduce: call it on every rank)."""
     bad = float(not all(math.isfinite(float(v)) for v in values))
-    return bool(D.all_reduce(bad, op="max", device=_device()) == 0)
+    return bool(D.all_reduce(bad, op="max") == 0)
 
 
 class NanGuard:

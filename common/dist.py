@@ -67,12 +67,16 @@ def seed_everything(seed: int) -> None:
     torch.cuda.manual_seed_all(seed)
 
 
-def all_reduce(x: torch.Tensor | float, op: str = "sum", device: torch.device | None = None) -> torch.Tensor:
-    """All-reduce a tensor or a number across ranks (op: sum | max | min) and return the result."""
-    t = x.detach().clone() if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64,
-                                                                             device=device)
+def all_reduce(x: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
+    """All-reduce a tensor or a number across ranks (op: sum | max | min); the result is on the input's device
+    (numbers: CPU float64). NCCL only reduces GPU tensors, so CPU inputs make a round trip through the GPU."""
+    t = x.detach().clone() if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
+        home = t.device
+        if dist.get_backend() == "nccl" and home.type != "cuda":
+            t = t.cuda()
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        t = t.to(home)
     return t
 
 

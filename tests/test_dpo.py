@@ -15,6 +15,7 @@ from common.packing import shard_microbatches
 from common.preference import (Pair, build_pairs, cache_key, cached_reference_logprobs, holdout_split,
                                pairs_from_samples, reference_logprobs, render_pair, split_shared_messages,
                                split_shared_prefix)
+from conftest import torchrun
 from dpo import Args, implicit_rewards, pair_losses, preference_loss
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,17 +218,12 @@ def test_dpo_two_ranks_cpu(tmp_path, tiny_model_dir):
         for i in range(16):
             f.write(json.dumps({"chosen": f"\n\nHuman: what is {i} + {i}?\n\nAssistant: It is {2 * i}.",
                                 "rejected": f"\n\nHuman: what is {i} + {i}?\n\nAssistant: No idea" + "!" * i}) + "\n")
-    common = ["dpo.py", "--model", str(tiny_model_dir), "--dataset", str(data), "--pairs-per-step", "4",
-              "--num-steps", "2", "--eval-fraction", "0.25", "--eval-every", "1", "--max-length", "128",
-              "--max-tokens-per-microbatch", "256", "--lr", "1e-3", "--out-dir", str(tmp_path / "out"),
-              "--cache-dir", str(tmp_path / "cache")]
-    # conftest.torchrun passes --master_port=0, which hangs at rendezvous with torch 2.13 here; --standalone works
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *common]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_MODE": "disabled"}
+    args = ["--model", str(tiny_model_dir), "--dataset", str(data), "--pairs-per-step", "4",
+            "--num-steps", "2", "--eval-fraction", "0.25", "--eval-every", "1", "--max-length", "128",
+            "--max-tokens-per-microbatch", "256", "--lr", "1e-3", "--out-dir", str(tmp_path / "out"),
+            "--cache-dir", str(tmp_path / "cache")]
     for run in ("computed", "hit"):
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+        p = torchrun("dpo.py", *args)
         assert f"cached ({run}" in p.stdout
         rows = [json.loads(line) for line in (tmp_path / "out" / "dpo" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [0, 1, 2]

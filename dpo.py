@@ -56,7 +56,7 @@ from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer, 
 from common.packing import shard_microbatches
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
                                reference_logprobs, response_logp_sums)
-from common.tracking import make_tracker, print_table, timed, to_dict
+from common.tracking import Progress, make_tracker, print_table, timed, to_dict
 
 
 @dataclass
@@ -355,6 +355,7 @@ def main(args: Args) -> None:
     # ---- the loop -----------------------------------------------------------------------------------------
     policy.train()
     order: list[int] = []
+    progress = Progress(d.is_main, num_steps, start)
     for step in range(start, num_steps + 1):
         perf: dict[str, float] = dict(perf0) if step == start else {}
         t_step = time.perf_counter()
@@ -406,11 +407,10 @@ def main(args: Args) -> None:
             "perf/tokens_per_s_per_gpu": sum(lengths[i] for i in batch) / perf["update_s"] / d.world_size,
         }
         tracker.log(metrics, step)
-        if d.is_main:
-            print(f"step {step:4d} | loss {metrics['train/loss']:.4f} | margin {metrics['train/rewards/margin']:+.4f}"
-                  f" | acc {metrics['train/rewards/accuracy']:.3f} | gnorm {grad_norm:.3f} | {perf['step_s']:.1f} s"
-                  + "".join(f" | {k} {metrics[k]:.3f}" for k in ("eval/loss", "eval/rewards/accuracy") if k in metrics),
-                  flush=True)
+        line = (f"step {step:4d} | loss {metrics['train/loss']:.4f} | margin {metrics['train/rewards/margin']:+.4f}"
+                f" | acc {metrics['train/rewards/accuracy']:.3f} | gnorm {grad_norm:.3f} | {perf['step_s']:.1f} s"
+                + "".join(f" | {k} {metrics[k]:.3f}" for k in ("eval/loss", "eval/rewards/accuracy") if k in metrics))
+        progress.update(line, loss=metrics["train/loss"], s_per_step=perf["step_s"])
         stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == num_steps or (args.save_every and (step + 1) % args.save_every == 0):
             data = {"epoch": epoch, "position": position}  # ref_cache: the DPO reference cache pointer
@@ -422,6 +422,7 @@ def main(args: Args) -> None:
 
     if args.export_hf:
         C.export_hf(policy, tok, lm.config, Path(args.export_hf), prefix="lm.")
+    progress.close()
     tracker.finish()
     D.cleanup()
 

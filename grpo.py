@@ -47,7 +47,7 @@ from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tok
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
 from common.rollout import HFEngine
-from common.tracking import make_tracker, print_table, timed, to_dict
+from common.tracking import Progress, make_tracker, print_table, timed, to_dict
 from common.vllm_engine import VLLMArgs
 
 
@@ -439,6 +439,7 @@ def main(args: Args) -> None:
     # ---- the loop -----------------------------------------------------------------------------------------
     G, width = args.group_size, args.max_new_tokens
     engine_stale = resume_from is not None  # the engine was built from --model's weights
+    progress = Progress(d.is_main, args.num_steps, start)
     for step in range(start, args.num_steps + 1):
         perf: dict[str, float] = {}
         t_step = time.perf_counter()
@@ -599,11 +600,11 @@ def main(args: Args) -> None:
         if args.log_samples_every and step % args.log_samples_every == 0:
             tracker.log_samples([{"prompt": prompt_texts[i], "completion": texts[i], "answer": answers[i],
                                   "reward": float(rewards[i])} for i in range(min(4, len(texts)))], step)
-        if d.is_main:
-            print(f"step {step:4d} | reward {float(rewards.mean()):.3f} | correct {float(correct.float().mean()):.3f}"
-                  f" | len {float(resp_len.float().mean()):6.1f} | loss {metrics['train/loss']:+.4f}"
-                  f" | {perf['step_s']:.1f} s/step"
-                  + "".join(f" | {k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")), flush=True)
+        line = (f"step {step:4d} | reward {float(rewards.mean()):.3f} | correct {float(correct.float().mean()):.3f}"
+                f" | len {float(resp_len.float().mean()):6.1f} | loss {metrics['train/loss']:+.4f}"
+                f" | {perf['step_s']:.1f} s/step"
+                + "".join(f" | {k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")))
+        progress.update(line, reward=float(rewards.mean()), s_per_step=perf["step_s"])
         stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == args.num_steps or (args.save_every and (step + 1) % args.save_every == 0):
             C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "sampler": sampler.state_dict()},
@@ -614,6 +615,7 @@ def main(args: Args) -> None:
 
     if args.export_hf:
         C.export_hf(policy, tok, lm.config, Path(args.export_hf), prefix="lm.")
+    progress.close()
     tracker.finish()
     D.cleanup()
 

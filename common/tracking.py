@@ -128,3 +128,28 @@ class timed:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.perf[self.key] = self.perf.get(self.key, 0.0) + time.perf_counter() - self.t
+
+
+class Progress:
+    """Rank 0's progress bar (steps done, reward, seconds per step) kept under the per-step lines; on other ranks,
+    or when stderr is not a terminal (CI logs), only the lines are printed."""
+
+    def __init__(self, enabled: bool, total: int, start: int = 0):
+        self.enabled, self.bar = enabled, None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, disable=None, leave=False)
+
+    def update(self, line: str, **postfix: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None or self.bar.disable:
+            print(line, flush=True)
+            return
+        self.bar.write(line)
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items()}, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

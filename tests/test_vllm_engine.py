@@ -268,3 +268,44 @@ def test_too_high_memory_utilization_names_the_knob(tmp_path):
             VLLMEngine(str(tmp_path), VLLMArgs(gpu_memory_utilization=0.99), max_model_len=128, seed=0)
     finally:
         del held
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
+def test_hf_export_loads_in_vllm_with_the_trainers_greedy_tokens(engine_and_model, tmp_path):
+    """Issue 8: a trained FSDP2 policy exported with --export-hf loads in vLLM, whose greedy tokens are the
+    trainer's (within the bf16 near-tie tolerance of the refit test)."""
+    from common.checkpoint import export_hf
+    from common.fsdp import FSDPArgs, shard
+    from common.models import TokenLogProbs, load_causal_lm
+    from vllm import LLM, SamplingParams
+    src = tmp_path / "src"
+    _tiny_qwen2(src, seed=3)
+    policy = shard(lm := load_causal_lm(str(src), "sdpa"), FSDPArgs(), torch.device("cuda"),
+                   root=TokenLogProbs(lm, "torch"))
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)  # one update, so the export differs from the source
+    ids = torch.tensor([_prompts(1)[0]], device="cuda")
+    logp, _ = policy(ids, torch.arange(ids.shape[1], device="cuda")[None], ids.roll(-1, 1))
+    (-logp.sum()).backward()
+    opt.step()
+    out = export_hf(policy, None, None, tmp_path / "export", prefix="lm.", dtype=torch.bfloat16)
+    engine, _ = engine_and_model
+    engine.sleep()  # make room for a second engine
+    llm = LLM(model=str(out), skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.2,
+              max_model_len=128, distributed_executor_backend="external_launcher", enforce_eager=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
+                        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, detokenize=False),
+                        use_tqdm=False)
+    from common.fsdp import iter_full_params
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    saved = load_file(str(out / "model.safetensors"))
+    for name, t in iter_full_params(policy, prefix="lm."):  # the export holds exactly the trainer's weights
+        assert torch.equal(saved[name].cuda(), t.to(torch.bfloat16)), name
+    ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).cuda().eval()
+    for o in outs:
+        p, r = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = ref(torch.tensor([p + r], device="cuda")).logits[0, len(p) - 1:-1]
+        gap = logits.max(-1).values - logits.gather(-1, torch.tensor(r, device="cuda")[:, None])[:, 0]
+        assert gap.max().item() <= 0.5, f"exported model's greedy token is {gap.max().item():.2f} below argmax"

@@ -57,7 +57,11 @@ except ImportError:  # CPU-only installs: impl="torch" still works
     HAS_TRITON = False
 
 IGNORE_INDEX = -100
-_BWD_CHUNK_BYTES = 2 << 30  # largest dlogits buffer the backward materialises at once
+# Largest dlogits buffer the backward materialises at once (LOGPROB_BWD_CHUNK_MB to trade speed for memory), and
+# whether dW is accumulated across row chunks in fp32 (default, exact) or in the weight's dtype (LOGPROB_DW_ACCUM=
+# output: no V x H fp32 buffer, one rounding per chunk, as Liger-Kernel does). Measured settings: docs/kernels.md.
+_BWD_CHUNK_BYTES = int(os.environ.get("LOGPROB_BWD_CHUNK_MB", "2048")) << 20
+_DW_ACCUM_FP32 = os.environ.get("LOGPROB_DW_ACCUM", "fp32") != "output"
 
 
 def _interpreting() -> bool:
@@ -322,8 +326,9 @@ def _fused_backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperat
     dh = torch.empty_like(hidden) if need_dh else None
     dw = None
     dw_acc = None
-    if need_dw and rows < N:  # several chunks: accumulate dW in fp32
-        dw_acc = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+    if need_dw and rows < N:  # several chunks: accumulate dW in fp32 (or in the weight's dtype, see above)
+        acc_dtype = torch.float32 if _DW_ACCUM_FP32 else weight.dtype
+        dw_acc = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype)
     dl = torch.empty(rows, V, device=hidden.device, dtype=hidden.dtype)  # (rows, V) reused
     for r0 in range(0, N, rows):
         r1 = min(r0 + rows, N)
@@ -350,7 +355,7 @@ def _fused_backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperat
         if need_dw:
             if dw_acc is None:
                 dw = dl_c.t() @ h_c
-            elif hidden.dtype == torch.float32:
+            elif hidden.dtype == torch.float32 or dw_acc.dtype == hidden.dtype:
                 dw_acc.addmm_(dl_c.t(), h_c)
             else:
                 _addmm_fp32_(dw_acc, dl_c.t(), h_c)

@@ -150,9 +150,12 @@ def test_one_output_used(which):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_in_row_chunks(dtype, monkeypatch):
-    # Force several dlogits chunks: dh per chunk, dW accumulated across chunks (fp32 for bf16).
+@pytest.mark.parametrize("dw_fp32", [True, False])
+def test_backward_in_row_chunks(dtype, dw_fp32, monkeypatch):
+    # Force several dlogits chunks: dh per chunk, dW accumulated across chunks (in fp32, or in the input dtype
+    # with LOGPROB_DW_ACCUM=output).
     monkeypatch.setattr(lp, "_BWD_CHUNK_BYTES", 16 * 90 * 4)
+    monkeypatch.setattr(lp, "_DW_ACCUM_FP32", dw_fp32)
     check(50, 32, 90, dtype, 1.0)
 
 

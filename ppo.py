@@ -444,6 +444,9 @@ def main(args: Args) -> None:
     if args.sequences_per_step % args.num_minibatches or args.sequences_per_minibatch < d.world_size:
         raise ValueError(f"--num-minibatches {args.num_minibatches} must divide the {args.sequences_per_step} "
                          f"sequences per step into mini-batches of at least {d.world_size} (one per rank)")
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature {args.temperature}: training samples and scores log-probs at this temperature, "
+                         "so it must be > 0 (evaluation is already greedy)")
     if args.max_tokens_per_microbatch < args.max_prompt_tokens + args.max_new_tokens:
         raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
                          f"sequence (--max-prompt-tokens + --max-new-tokens = "

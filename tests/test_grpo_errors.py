@@ -69,6 +69,7 @@ def test_custom_reward_fn_missing(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("flags,names", [
     (["--num-minibatches", "3"], "--num-minibatches"),
     (["--max-tokens-per-microbatch", "64"], "--max-tokens-per-microbatch"),
+    (["--temperature", "0"], "--temperature 0.0"),
 ])
 def test_batch_geometry_that_does_not_divide(tiny_model_dir, tmp_path, flags, names):
     p = run_grpo("--model", str(tiny_model_dir), *TINY, *flags, tmp_path=tmp_path)
@@ -86,3 +87,14 @@ def test_unknown_model_path(tmp_path):
     p = run_grpo("--model", str(tmp_path / "no-such-model"), *TINY, tmp_path=tmp_path)
     assert p.returncode != 0
     assert "no-such-model" in p.stderr and "Pass a local HF folder" in p.stderr
+
+
+def test_non_finite_loss_skips_updates_then_stops(tiny_model_dir, tmp_path):
+    """A NaN loss (here from --entropy-coef nan) skips the update, is logged, and stops the run after
+    --max-bad-updates in a row with a message that says what to do."""
+    p = run_grpo("--model", str(tiny_model_dir), "--entropy-coef", "nan", "--max-bad-updates", "2",
+                 "--exp-name", "nan", "--num-steps", "5", *TINY[2:], tmp_path=tmp_path)
+    assert p.returncode != 0
+    assert "2 consecutive non-finite updates" in p.stderr and "lower --lr" in p.stderr
+    rows = [json.loads(l) for l in open(tmp_path / "nan" / "metrics.jsonl")]
+    assert rows[0]["step"] == 0 and rows[0]["train/skipped_updates"] == 1

@@ -7,6 +7,9 @@
 #   bash bench/gpu_session.sh stage .gpu-model/part-00         # call 3
 #   bash bench/gpu_session.sh stage .gpu-model/part-01 model   # call 4: unpack SmolLM2, data; start all jobs
 #   bash bench/gpu_session.sh poll SECONDS                     # later calls: wait, then report and copy logs
+# .gpu-assets/ (ignored, carried with the site and model pieces) holds what ../shared would give: the Qwen2.5 tokenizer
+# tarball, gsm8k_{train,test}.jsonl.xz, hh_test.jsonl.gz (../shared/data) and whl/ with trl 1.16.0 + liger-kernel
+# 0.8.5 wheels (pip download --no-deps). Several torchruns on one machine need distinct ports (PET_MASTER_PORT).
 # Jobs run detached (setsid) so they outlive a call; each writes /tmp/logs/<job>.log and appends to
 # /tmp/logs/status. GPU 0 and GPU 1 each run a queue; the 2-GPU scaling run goes last, when both are free.
 set -uo pipefail

@@ -295,13 +295,6 @@ def stop_agreed(flag: StopFlag) -> bool:
     return bool(D.all_reduce(float(flag.requested), op="max") > 0)
 
 
-def _device() -> torch.device:
-    # nccl all-reduces need a GPU tensor; gloo a CPU one
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def set_deterministic(on: bool) -> None:
     """--deterministic: deterministic kernels where torch has them (warn where not), no cuDNN autotuning. Call it
     before the first CUDA matmul (cuBLAS reads CUBLAS_WORKSPACE_CONFIG once). vLLM sampling is not covered."""

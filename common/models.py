@@ -2,6 +2,7 @@
 the policy and the frozen reference, and the wrapper that turns hidden states into per-token log-probs."""
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -98,8 +99,13 @@ def load_causal_lm(path: str, attn_impl: str = "sdpa", trainable: bool = True) -
 
 
 def eos_token_ids(tokenizer, model_path: str) -> list[int]:
-    """Every token that ends a turn: the tokenizer's EOS plus the generation config's (chat models often differ)."""
+    """Every token that ends a turn: the tokenizer's EOS plus the model config's and the generation config's (chat
+    models often differ). The rollout engines stop on exactly these."""
     ids = {tokenizer.eos_token_id}
+    config = Path(model_path) / "config.json"
+    if config.exists():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos])
     try:
         from transformers import GenerationConfig
         gen = GenerationConfig.from_pretrained(model_path).eos_token_id

@@ -2,7 +2,6 @@
 folder, and wandb with --track); other ranks get a stand-in with the same methods, so call sites carry no `if`."""
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time

@@ -163,18 +163,6 @@ def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, int, list[
     return rank // tp, world_size // tp, rank % tp, list(range(first, first + tp))
 
 
-def eos_token_ids(model_path: str) -> list[int]:
-    """EOS ids from generation_config.json and config.json: vLLM runs without a tokenizer (and ignores the
-    generation config), so the engine adds these to every request's stop tokens itself."""
-    ids: set[int] = set()
-    for fname in ("generation_config.json", "config.json"):
-        path = Path(model_path) / fname
-        if path.exists():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-    return sorted(ids)
-
-
 def memory_snapshot(device: torch.device | int | None = None) -> dict[str, int]:
     """Bytes: torch allocated / reserved, and the device's free / total (vLLM's own pool only shows in free)."""
     if not torch.cuda.is_available():
@@ -236,7 +224,6 @@ class VLLMEngine:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = DTYPES[args.dtype]
         self.max_model_len = args.max_model_len or max_model_len
-        self.eos_ids = eos_token_ids(model_path)
         cfg = json.loads((Path(model_path) / "config.json").read_text())
         self.tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
         self.timings: dict[str, float] = {}
@@ -275,8 +262,7 @@ class VLLMEngine:
         self.held_bytes = free - torch.cuda.mem_get_info(self.device)[0]
         self.timings["init"] = time.perf_counter() - t0
         self._log(f"init {self.timings['init']:.1f}s, engine holds {self.held_bytes / GiB:.1f} GiB "
-                  f"(replica {self.dp_rank}/{self.dp_size}, tp rank {self.tp_rank}, tied={self.tied}, "
-                  f"eos={self.eos_ids})")
+                  f"(replica {self.dp_rank}/{self.dp_size}, tp rank {self.tp_rank}, tied={self.tied})")
 
     def _log(self, msg: str) -> None:
         if self.verbose:
@@ -313,7 +299,9 @@ class VLLMEngine:
             prompts = [p for ps, _ in everyone for p in ps]
 
         greedy = temperature == 0
-        stops = sorted(set(stop_token_ids or []) | (set() if ignore_eos else set(self.eos_ids)))
+        # vLLM runs without a tokenizer and ignores the generation config: the caller's stop ids (the scripts pass
+        # common.models.eos_token_ids) are the only end-of-turn tokens; ignore_eos generates max_new_tokens exactly.
+        stops = [] if ignore_eos else sorted(set(stop_token_ids or []))
         # Greedy: n identical copies as n=1 requests (vLLM versions differ on n > 1 with greedy sampling).
         requests = [p for p in prompts for _ in range(n)] if greedy else prompts
         per_request = 1 if greedy else n

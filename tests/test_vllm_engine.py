@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.rollout import Rollout
-from common.vllm_engine import (GiB, VLLMArgs, VLLMEngine, bucket_by_bytes, check_memory_budget, eos_token_ids,
+from common.vllm_engine import (GiB, VLLMArgs, VLLMEngine, bucket_by_bytes, check_memory_budget,
                                 remap_tied, request_seeds, to_rollout, tp_layout)
 
 HAS_GPU_VLLM = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
@@ -144,10 +144,11 @@ def test_tp_layout_consecutive_groups():
         tp_layout(0, 6, 4)
 
 
-def test_eos_token_ids(tmp_path):
+def test_eos_token_ids(tmp_path, qwen_tokenizer):
+    from common.models import eos_token_ids
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151643}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
-    assert eos_token_ids(str(tmp_path)) == [151643, 151645]
+    assert eos_token_ids(qwen_tokenizer, str(tmp_path)) == [151643, 151645]
 
 
 # ---- GPU + vLLM ------------------------------------------------------------------------------------------------

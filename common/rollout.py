@@ -48,7 +48,9 @@ class HFEngine:
                 return_dict_in_generate=True)
         new = out.sequences[:, width:].cpu()  # (B, T_new)
         # scores are the processed logits the sampler drew from (after temperature / top-p / top-k)
-        logp = torch.stack([s.float().log_softmax(-1) for s in out.scores], 1).cpu() if out.scores else None
+        # log-prob of each generated token only (no (B, T, V) stack); (B, T_new)
+        logp = torch.stack([s.float().log_softmax(-1).gather(1, new[:, t:t + 1].to(s.device))[:, 0]
+                            for t, s in enumerate(out.scores)], 1).cpu() if out.scores else None
         responses, logprobs, reasons = [], [], []
         for b in range(new.shape[0]):
             toks = new[b].tolist()
@@ -56,7 +58,7 @@ class HFEngine:
             toks = toks if end is None else toks[:end + 1]
             responses.append(toks)
             reasons.append("length" if end is None else "stop")
-            logprobs.append(logp[b, torch.arange(len(toks)), new[b, :len(toks)]].tolist() if logp is not None else [])
+            logprobs.append(logp[b, :len(toks)].tolist() if logp is not None else [])
         return Rollout([p for p in prompt_ids for _ in range(n)], responses, logprobs, reasons)
 
     @torch.no_grad()

@@ -47,7 +47,7 @@ from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tok
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
 from common.rollout import HFEngine
-from common.tracking import Progress, make_tracker, print_table, timed, to_dict
+from common.tracking import Profile, Progress, make_tracker, print_table, timed, to_dict
 from common.vllm_engine import VLLMArgs
 
 
@@ -183,6 +183,9 @@ class Args:
     """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (H200 as measured; common/flops.py)"""
     ignore_eos: bool = False
     """generate exactly --max-new-tokens (benchmarks)"""
+    profile_step: int = -1
+    """profile the learning phases (reference / old log-probs, update) of this step with torch.profiler: top
+    kernels printed and written to <run>/profile_step<k>.txt, Chrome trace beside it (-1: off)"""
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
 
@@ -508,6 +511,7 @@ def main(args: Args) -> None:
 
         # ---- 3. learn ---------------------------------------------------------------------------------------
         policy.train()
+        prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}")
         old_logp = ref_logp = None
         if ref is not None and rows_all:
             with timed(perf, "ref_logp"):
@@ -558,6 +562,7 @@ def main(args: Args) -> None:
                     optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
+        prof.stop(d.is_main)
         engine_stale = bool(rows_all)
         if d.device.type == "cuda":
             perf["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -1,22 +1,30 @@
 """Benchmark selected-token log-prob + entropy of an LM head (kernels/logprob.py) on one GPU.
 
 Compares, at N tokens, hidden size H, vocabulary V (default a Qwen2.5-7B head, 32k tokens, bf16):
-  naive   torch: logits, fp32 log_softmax, gather, entropy (materialises N x V several times)
+  ours    token_logprobs(impl="fused"), once per variant (kernels.logprob.VARIANT: "triton" GEMM
+          kernels with fused epilogues, "cublas" cuBLAS GEMMs into fp32 blocks + streaming Triton
+          kernels) and per workspace budget (kernels.logprob.WORKSPACE_BYTES), rows named
+          variant/budget
+  matmul  the bare matmuls, the floor: h @ W^T forward; dlogits @ W and dlogits^T @ h backward
   liger   Liger-Kernel's LigerFusedLinearCrossEntropyLoss (log-prob only, no entropy; it computes
           its gradients during the forward, so its "fwd" already holds most of the backward's work)
-  matmul  the bare matmuls, the floor: h @ W^T forward; dlogits @ W and dlogits^T @ h backward
-  ours    token_logprobs(impl="fused")
-Times are triton.testing.do_bench medians (ms); memory is the peak allocated above the inputs during
-one forward+backward (gradients included).
+  naive   torch: logits, fp32 log_softmax, gather, entropy (materialises N x V several times)
+Times are triton.testing.do_bench medians (ms). Memory, from the peak allocated during one
+forward+backward above what was allocated before it (the inputs): "workspace" leaves out the
+gradients dh and dW that every implementation returns; "total" counts them.
+Each variant/budget is also checked against an fp32 reference on the whole problem (computed in row
+chunks): logp and entropy max abs error; dh and dW max abs error / max |ref| and ||err|| / ||ref||,
+next to the error of rounding the reference itself to the input dtype once (the best possible).
 
-    python bench/bench_logprob.py                       # N=32768 H=3584 V=152064 bf16
-    python bench/bench_logprob.py --N 4096 --V 32000    # smaller
-    python bench/bench_logprob.py --profile             # also kernel times of ours (torch.profiler)
+    python bench/bench_logprob.py                                    # N=32768 H=3584 V=152064 bf16
+    python bench/bench_logprob.py --variants triton,cublas --budgets-mb 320,1024 --profile
+    python bench/bench_logprob.py --N 4096 --V 32000 --skip naive,liger,check
 """
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -35,6 +43,11 @@ def naive(h, w, t, temperature):
 
 def ours(h, w, t, temperature):
     return token_logprobs(h, w, t, temperature, impl="fused")
+
+
+def set_variant(variant, budget_mb):
+    klp.VARIANT = variant
+    klp.WORKSPACE_BYTES = budget_mb << 20
 
 
 def make_liger():
@@ -69,15 +82,24 @@ def bench(name, fn, h, w, t, g, temperature, rep):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        fwd_bwd()
+        fwd_bwd()  # also compiles and tunes
         torch.cuda.synchronize()
+        grads = sum(x.grad.numel() * x.grad.element_size() for x in (h, w) if x.grad is not None)
         row["mem_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
+        row["ws_gb"] = row["mem_gb"] - grads / 1e9
         h.grad = w.grad = None
-        row["fwd_ms"] = do_bench(fwd, warmup=100, rep=rep, return_mode="median")
-        row["fwd_bwd_ms"] = do_bench(fwd_bwd, warmup=100, rep=rep, grad_to_none=[h, w],
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwd()
+        torch.cuda.synchronize()
+        row["fwd_mem_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
+        row["fwd_ms"] = do_bench(fwd, warmup=50, rep=rep, return_mode="median")
+        row["fwd_bwd_ms"] = do_bench(fwd_bwd, warmup=50, rep=rep, grad_to_none=[h, w],
                                      return_mode="median")
     except torch.OutOfMemoryError:
         row["error"] = "OOM"
+    except Exception as e:  # keep going: the other rows are still worth printing
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     h.grad = w.grad = None
     torch.cuda.empty_cache()
     return row
@@ -89,26 +111,44 @@ def bench_matmuls(h, w, rep):
     N, V = h.shape[0], w.shape[0]
     dl = torch.randn(N, V, device=h.device, dtype=h.dtype)  # (N, V) stands in for dlogits
     with torch.no_grad():
-        fwd = do_bench(lambda: h @ w.t(), warmup=100, rep=rep, return_mode="median")
-        bwd = do_bench(lambda: (dl @ w, dl.t() @ h), warmup=100, rep=rep, return_mode="median")
+        fwd = do_bench(lambda: h @ w.t(), warmup=50, rep=rep, return_mode="median")
+        bwd = do_bench(lambda: (dl @ w, dl.t() @ h), warmup=50, rep=rep, return_mode="median")
     del dl
     torch.cuda.empty_cache()
     return {"name": "matmul", "fwd_ms": fwd, "fwd_bwd_ms": fwd + bwd}
 
 
-def check_rows(h, w, t, g, temperature, rows=1024):
-    """Ours on the full problem against the fp32 reference on its first rows (values and dh)."""
+def reference(h, w, t, g, temperature, rows=2048):
+    """fp32 logp, entropy, dh, dW of the whole problem, in row chunks (about 2.7 GB kept)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    wf = w.detach().float().requires_grad_()  # (V, H)
+    logp, ent, dh = [], [], []
+    for r0 in range(0, h.shape[0], rows):
+        hr = h.detach()[r0:r0 + rows].float().requires_grad_()  # (rows, H)
+        lp_r, ent_r = logprob_reference(hr, wf, t[r0:r0 + rows], temperature)
+        (lp_r * g[0][r0:r0 + rows] + ent_r * g[1][r0:r0 + rows]).sum().backward()
+        logp.append(lp_r.detach())
+        ent.append(ent_r.detach())
+        dh.append(hr.grad)
+    return torch.cat(logp), torch.cat(ent), torch.cat(dh), wf.grad
+
+
+def rel_errors(got, want):
+    """max |err| / max |ref| and ||err|| / ||ref||."""
+    d = got.float() - want
+    return (d.abs().max() / want.abs().max()).item(), (d.norm() / want.norm()).item()
+
+
+def check(h, w, t, g, temperature, ref):
     hs = h.detach().clone().requires_grad_()
-    logp, ent = ours(hs, w, t, temperature)
+    ws = w.detach().clone().requires_grad_()
+    logp, ent = ours(hs, ws, t, temperature)
     (logp * g[0] + ent * g[1]).sum().backward()
-    hr = h.detach()[:rows].float().requires_grad_()
-    ref_lp, ref_ent = logprob_reference(hr, w.detach(), t[:rows], temperature)
-    (ref_lp * g[0][:rows] + ref_ent * g[1][:rows]).sum().backward()
-    err = [(logp[:rows] - ref_lp).abs().max().item(), (ent[:rows] - ref_ent).abs().max().item(),
-           ((hs.grad[:rows].float() - hr.grad).abs().max() / hr.grad.abs().max()).item()]
-    print(f"check vs fp32 reference on {rows} rows: max|dlogp| {err[0]:.2e}, max|dentropy| "
-          f"{err[1]:.2e}, max|d dh| / max|dh| {err[2]:.2e}", flush=True)
-    w.grad = None
+    r_lp, r_ent, r_dh, r_dw = ref
+    errs = ((logp - r_lp).abs().max().item(), (ent - r_ent).abs().max().item(),
+            *rel_errors(hs.grad, r_dh), *rel_errors(ws.grad, r_dw))
+    return ("max|dlogp| {:.1e} max|dent| {:.1e} | dh max {:.1e} norm {:.1e} | dW max {:.1e} "
+            "norm {:.1e}".format(*errs))
 
 
 def main():
@@ -118,35 +158,81 @@ def main():
     p.add_argument("--V", type=int, default=152064, help="vocabulary size")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--rep", type=int, default=1000, help="do_bench repetition time (ms)")
-    p.add_argument("--skip", default="", help="comma-separated names to skip: naive,liger,matmul")
-    p.add_argument("--profile", action="store_true", help="print torch.profiler kernel times")
+    p.add_argument("--variants", default="triton,cublas", help="kernels.logprob.VARIANT values")
+    p.add_argument("--budgets-mb", default="320", help="comma-separated workspace budgets (MB)")
+    p.add_argument("--rep", type=int, default=500, help="do_bench repetition time (ms)")
+    p.add_argument("--skip", default="", help="comma-separated: naive,liger,matmul,check")
+    p.add_argument("--profile", action="store_true", help="torch.profiler of the fastest of ours")
     args = p.parse_args()
+    t_start = time.time()
     dtype = getattr(torch, args.dtype)
     N, H, V = args.N, args.H, args.V
     torch.manual_seed(0)
     h = torch.randn(N, H, device="cuda", dtype=dtype).requires_grad_()  # (N, H)
     w = (torch.randn(V, H, device="cuda", dtype=dtype) / H**0.5).requires_grad_()  # (V, H)
     t = torch.randint(0, V, (N,), device="cuda")  # (N,)
+    t[::97] = klp.IGNORE_INDEX  # a few ignored rows
     g = (torch.randn(N, device="cuda"), torch.randn(N, device="cuda"))  # upstream grads
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} N={N} H={H} V={V} "
-          f"{args.dtype}")
     skip = set(args.skip.split(","))
+    logits_gb = N * V * 4 / 1e9
+    grads_gb = (N + V) * H * h.element_size() / 1e9
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton "
+          f"{__import__('triton').__version__} N={N} H={H} V={V} {args.dtype}; fp32 logits "
+          f"{logits_gb:.1f} GB (2%: {0.02 * logits_gb * 1e3:.0f} MB); gradients dh+dW "
+          f"{grads_gb:.2f} GB", flush=True)
 
-    print(f"{'impl':8s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'extra mem GB':>13s}", flush=True)
+    ref = None
+    if "check" not in skip:
+        t0 = time.time()
+        ref = reference(h, w, t, g, args.temperature)
+        floor = [rel_errors(x.to(dtype), x) for x in ref[2:]]
+        print(f"fp32 reference in {time.time() - t0:.1f} s; one rounding of it to {args.dtype}: "
+              f"dh max {floor[0][0]:.1e} norm {floor[0][1]:.1e} | dW max {floor[1][0]:.1e} "
+              f"norm {floor[1][1]:.1e}", flush=True)
+
+    print(f"{'impl':16s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'workspace GB':>13s} "
+          f"{'total GB':>9s} {'fwd GB':>7s}", flush=True)
     rows = []
 
-    def report(r):
+    def report(r, note=""):
         rows.append(r)
         if "error" in r:
-            print(f"{r['name']:8s} {r['error']}", flush=True)
+            print(f"{r['name']:16s} {r['error']}", flush=True)
             return
-        mem = f"{r['mem_gb']:13.2f}" if "mem_gb" in r else f"{'-':>13s}"
-        print(f"{r['name']:8s} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f} {mem}", flush=True)
+        mem = (f"{r['ws_gb']:13.3f} {r['mem_gb']:9.3f} {r['fwd_mem_gb']:7.3f}" if "mem_gb" in r
+               else f"{'-':>13s} {'-':>9s} {'-':>7s}")
+        print(f"{r['name']:16s} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:11.2f} {mem} {note}",
+              flush=True)
 
-    report(bench("ours", ours, h, w, t, g, args.temperature, args.rep))
-    print("configs chosen:", {k[0]: v for k, v in klp.TUNED.items()} or "defaults", flush=True)
-    check_rows(h, w, t, g, args.temperature)
+    for variant in args.variants.split(","):
+        if variant == "cublas" and h.dtype != torch.float32:
+            klp._mm_fp32(h.detach()[:8], w.detach()[:8].t(), torch.empty(8, 8, device="cuda"))
+            if not klp._MM_FP32[("cuda", h.dtype)]:
+                print("skipping cublas: this torch has no mm(out_dtype=float32) on CUDA, and "
+                      "the fp32-copy fallback is far too slow to time here", flush=True)
+                continue
+        for mb in (int(x) for x in args.budgets_mb.split(",")):
+            set_variant(variant, mb)
+            name = f"{variant}/{mb}MB"
+            el = h.element_size() + (4 if variant == "cublas" else 0)
+            rb, cb = klp._bwd_tiles(N, V, H, el, klp.WORKSPACE_BYTES, 128)
+            rf, cf = klp._fwd_tiles(N, V, klp.WORKSPACE_BYTES, 128)
+            row = bench(name, ours, h, w, t, g, args.temperature, args.rep)
+            row.update(variant=variant, mb=mb)
+            report(row, f"bwd blocks {rb}x{cb} (dW rounded {-(-N // rb)}x)"
+                        + (f", fwd blocks {rf}x{cf}" if variant == "cublas" else ""))
+            if ref is not None and "error" not in row:
+                try:
+                    print(f"  check {name}: {check(h, w, t, g, args.temperature, ref)}",
+                          flush=True)
+                except Exception as e:
+                    print(f"  check {name} failed: {type(e).__name__}: {e}", flush=True)
+                h.grad = w.grad = None
+                torch.cuda.empty_cache()
+    print("triton configs chosen:", {k[0]: v for k, v in klp.TUNED.items()} or "defaults",
+          "| mm out_dtype=fp32 in place:", klp._MM_FP32, flush=True)
+    del ref
+    torch.cuda.empty_cache()
     if "matmul" not in skip:
         report(bench_matmuls(h, w, args.rep))
     if "liger" not in skip:
@@ -156,21 +242,34 @@ def main():
     if "naive" not in skip:
         report(bench("naive", naive, h, w, t, g, args.temperature, args.rep))
 
-    by = {r["name"]: r for r in rows if "error" not in r}
-    logits_gb = N * V * 4 / 1e9
-    if "matmul" in by and "ours" in by:
+    ok = [r for r in rows if "error" not in r]
+    by = {r["name"]: r for r in ok}
+    mine = [r for r in ok if "variant" in r]
+    if mine:
+        best = min(mine, key=lambda r: r["fwd_bwd_ms"])
         flops = 2 * N * H * V
-        mm = by["matmul"]
-        print(f"matmul floor: fwd {flops / mm['fwd_ms'] / 1e9:.0f} TFLOP/s, fwd+bwd "
-              f"{3 * flops / mm['fwd_bwd_ms'] / 1e9:.0f} TFLOP/s")
-        print(f"ours / floor: fwd {by['ours']['fwd_ms'] / mm['fwd_ms']:.2f}x, fwd+bwd "
-              f"{by['ours']['fwd_bwd_ms'] / mm['fwd_bwd_ms']:.2f}x")
-    if "ours" in by:
-        print(f"ours extra memory / fp32 logits ({logits_gb:.1f} GB): "
-              f"{by['ours']['mem_gb'] / logits_gb:.3f}")
+        print(f"fastest of ours: {best['name']}: workspace {best['ws_gb'] * 1e3:.0f} MB = "
+              f"{best['ws_gb'] / logits_gb:.4f} of the fp32 logits (total with gradients "
+              f"{best['mem_gb'] / logits_gb:.3f})")
+        for r in mine:
+            line = f"  {r['name']}: workspace / fp32 logits {r['ws_gb'] / logits_gb:.4f}"
+            if "matmul" in by:
+                mm = by["matmul"]
+                line += (f"; / floor: fwd {r['fwd_ms'] / mm['fwd_ms']:.2f}x, fwd+bwd "
+                         f"{r['fwd_bwd_ms'] / mm['fwd_bwd_ms']:.2f}x")
+            if "liger" in by:
+                line += f"; / liger fwd+bwd {r['fwd_bwd_ms'] / by['liger']['fwd_bwd_ms']:.2f}x"
+            print(line)
+        if "matmul" in by:
+            mm = by["matmul"]
+            print(f"matmul floor: fwd {flops / mm['fwd_ms'] / 1e9:.0f} TFLOP/s, fwd+bwd "
+                  f"{3 * flops / mm['fwd_bwd_ms'] / 1e9:.0f} TFLOP/s; recompute bound 4/3 = "
+                  f"{4 / 3 * mm['fwd_bwd_ms']:.1f} ms")
 
-    if args.profile:
+    if args.profile and mine:
         from torch.profiler import ProfilerActivity, profile
+
+        set_variant(best["variant"], best["mb"])
 
         def step():
             outs = ours(h, w, t, args.temperature)
@@ -179,10 +278,17 @@ def main():
 
         step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     record_shapes=True) as prof:
             step()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+        ka = prof.key_averages()
+        print(f"profile of {best['name']}, one fwd+bwd, by kernel:")
+        print(ka.table(sort_by="cuda_time_total", row_limit=12))
+        print("by op and input shapes (GEMMs: logits, dh, dW):")
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="cuda_time_total", row_limit=12, max_shapes_column_width=60))
+    print(f"bench done in {time.time() - t_start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

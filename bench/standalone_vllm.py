@@ -47,6 +47,8 @@ def main():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     ap.add_argument("--seed-requests", action=argparse.BooleanOptionalAction, default=True,
                     help="per-request seeds, as the training scripts use by default")
+    ap.add_argument("--also-unseeded", action="store_true",
+                    help="then time the same sampling without per-request seeds (--vllm.no-seed-requests)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default=None, help="existing model folder (default: build W05's in a tmp folder)")
@@ -83,6 +85,15 @@ def main():
         print("timings:", {k: round(v, 3) for k, v in engine.timings.items()}, flush=True)
         med = statistics.median(secs)
         total_new = W05["num_prompts"] * W05["n"] * W05["new_tokens"]
+        if a.also_unseeded:  # same engine, same prompts; vLLM's sampler draws per seeded request in a Python loop
+            engine.args.seed_requests = False
+            unseeded = []
+            for i in range(a.repeats):
+                s, new = run(100 + i)
+                unseeded.append(s)
+                print(f"unseeded run {i}: {s:.2f}s, {new} new tokens, {new / s:,.0f} new tok/s", flush=True)
+            u = statistics.median(unseeded)
+            print(f"STANDALONE_VLLM_UNSEEDED median_s={u:.3f} new_tok_per_s={total_new / u:.0f}", flush=True)
         print(f"STANDALONE_VLLM median_s={med:.3f} new_tok_per_s={total_new / med:.0f}", flush=True)
 
 

@@ -252,9 +252,12 @@ def main():
 
     if "standalone" in todo:
         r = run_sub("standalone", [py, "bench/standalone_vllm.py", "--model", str(model), "--max-num-seqs", "512",
-                                   "--gpu-memory-utilization", str(a.gpu_memory_utilization)], out, a.timeout)
-        line = next((ln for ln in reversed(r["tail"].splitlines()) if ln.startswith("STANDALONE_VLLM")), "")
-        r |= {"kind": "standalone", **{k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}}
+                                   "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--also-unseeded"],
+                    out, a.timeout)
+        for tag, prefix in (("STANDALONE_VLLM", ""), ("STANDALONE_VLLM_UNSEEDED", "unseeded_")):
+            line = next((ln for ln in reversed(r["tail"].splitlines()) if ln.split(" ")[0] == tag), "")
+            r |= {prefix + k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+        r["kind"] = "standalone"
         results["runs"].append(r)
 
     if "trl" in todo:
@@ -278,7 +281,7 @@ def report(results: dict, out: Path) -> None:
     prompts = results["runs"][0].get("prompts")
     if prompts:
         print(f"prompts: {prompts}")
-    cols = ["step_s", "generate_s", "ref_logp_s", "old_logp_s", "update_s", "refit_s", "wake_weights_s",
+    cols = ["step_s", "generate_s", "score_s", "ref_logp_s", "old_logp_s", "update_s", "refit_s", "wake_weights_s",
             "wake_kv_s", "sleep_s", "tokens_per_s_per_gpu", "peak_mem_gib", "gpu_mem_peak_gib"]
     runs = [r for r in results["runs"] if r.get("kind") == "grpo"]
     extra = sorted({k for r in runs for k in r if k.startswith(("mfu", "train_mfu", "tflops"))})
@@ -292,7 +295,7 @@ def report(results: dict, out: Path) -> None:
     if sa:
         med = sa.get("median_s")
         print(f"standalone vLLM: {'ok' if sa['ok'] else 'FAILED'}  median {fmt(med)} s  "
-              f"new tok/s {fmt(sa.get('new_tok_per_s'), 0)}")
+              f"new tok/s {fmt(sa.get('new_tok_per_s'), 0)}; without per-request seeds {fmt(sa.get('unseeded_median_s'))} s")
         for r in runs:
             if r.get("nproc") == 1 and r.get("generate_s") and med:
                 print(f"  generation in loop / standalone ({r['name']}): {r['generate_s'] / med:.3f}  (goal <= 1.10)")

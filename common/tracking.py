@@ -120,6 +120,8 @@ class timed:
         import torch
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        self.label = torch.profiler.record_function(self.key[:-2])  # names the phase in a --profile-step trace
+        self.label.__enter__()
         self.t = time.perf_counter()
 
     def __exit__(self, *exc):
@@ -127,6 +129,38 @@ class timed:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.perf[self.key] = self.perf.get(self.key, 0.0) + time.perf_counter() - self.t
+        self.label.__exit__(*exc)
+
+
+class Profile:
+    """torch.profiler over part of one step (`--profile-step`): `p = Profile(on, path)` ... `p.stop(is_main)` writes
+    the top kernels by device time to `path`.txt (and prints them) and a Chrome trace to `path`.json.gz (rank 0).
+    Does nothing when `on` is False."""
+
+    def __init__(self, on: bool, path: Path):
+        import torch
+        self.path, self.prof = Path(path), None
+        if on:
+            acts = [torch.profiler.ProfilerActivity.CPU] + \
+                ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+
+    def stop(self, is_main: bool) -> None:
+        import torch
+        if self.prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        if is_main:
+            sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            table = self.prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.with_suffix(".txt").write_text(table)
+            self.prof.export_chrome_trace(str(self.path.with_suffix(".json.gz")))
+            print(f"profile ({self.path}.txt, .json.gz):\n{table}", flush=True)
+        self.prof = None
 
 
 class Progress:

@@ -138,7 +138,11 @@ def to_rollout(outputs) -> Rollout:
                 continue
             if len(c.logprobs) != len(toks):
                 raise RuntimeError(f"vLLM returned {len(c.logprobs)} log-probs for {len(toks)} tokens")
-            logprobs.append([float(pos[t].logprob) for pos, t in zip(c.logprobs, toks)])
+            flat = getattr(c.logprobs, "logprobs", None)  # FlatLogprobs: one entry per position with logprobs=0
+            if flat is not None and len(flat) == len(toks) and c.logprobs.token_ids == toks:
+                logprobs.append(list(flat))
+            else:  # list of {token id: Logprob} per position
+                logprobs.append([float(pos[t].logprob) for pos, t in zip(c.logprobs, toks)])
     return Rollout(prompts, responses, logprobs if have_logprobs else None, reasons)
 
 
@@ -259,6 +263,14 @@ class VLLMEngine:
                     f"--vllm.gpu-memory-utilization (now {args.gpu_memory_utilization}) if training leaves room, "
                     f"or lower --vllm.max-model-len / --vllm.max-num-seqs. vLLM said: {msg}") from e
             raise
+        # Log-probs as flat lists (vllm.logprobs.FlatLogprobs) rather than a dict and a Logprob object per token:
+        # 2 x 262k fewer Python objects per W05 step to build, convert and garbage-collect.
+        from vllm import SamplingParams
+        try:
+            SamplingParams(flat_logprobs=True)
+            self._flat = {"flat_logprobs": True}
+        except TypeError:  # a vLLM before FlatLogprobs
+            self._flat = {}
         self.held_bytes = free - torch.cuda.mem_get_info(self.device)[0]
         self.timings["init"] = time.perf_counter() - t0
         self._log(f"init {self.timings['init']:.1f}s, engine holds {self.held_bytes / GiB:.1f} GiB "
@@ -312,7 +324,7 @@ class VLLMEngine:
             top_k=0 if greedy or top_k <= 0 else top_k,  # 0 (or -1) = off in vLLM
             max_tokens=max_new_tokens, seed=s, stop_token_ids=stops, ignore_eos=ignore_eos,
             logprobs=0,  # 0 extra alternatives: only the sampled token's log-prob
-            detokenize=False) for s in seeds]
+            detokenize=False, **self._flat) for s in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=False)
         rollout = to_rollout(outputs)
         if len(rollout.response_ids) != len(prompts) * n:

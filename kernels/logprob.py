@@ -25,23 +25,42 @@ Backward, upstream gradients g_lp and g_ent (N,), p = softmax(z):
     dh = dlogits @ W        dW = dlogits^T @ h
 Only lse and H (N,) fp32 are saved; the backward recomputes z.
 
-Implementation choices (impl="fused", Triton)
----------------------------------------------
-Forward: one kernel, a GEMM with an online-softmax epilogue. Program = (block of BLOCK_N rows,
-range of V); it loops over BLOCK_V chunks of its range and over H in BLOCK_K steps (tl.dot, fp32
-accumulate), and writes (N,) partial stats per V range; a few (S, N) torch ops merge them.
-Splitting V keeps the GPU full at small N, and programs are launched in groups (GROUP_N row blocks
-x all V ranges) so that the h and W tiles in flight fit in L2, as a tiled GEMM's grouped order does.
+Implementation (impl="fused"): two variants of the logits, one backward loop
+------------------------------------------------------------------------------
+VARIANT "triton" (LOGPROB_VARIANT=triton). Forward: one kernel, a GEMM with an online-softmax
+epilogue. Program = (block of BLOCK_N rows, range of V); it loops over BLOCK_V chunks of its range and
+over H in BLOCK_K steps (tl.dot, fp32 accumulate), and writes (N,) partial stats per V range; a few
+(S, N) torch ops merge them. Splitting V keeps the GPU full at small N, and programs are launched in
+groups (GROUP_N row blocks x all V ranges) so that the h and W tiles in flight fit in L2, as a tiled
+GEMM's grouped order does. Backward: a Triton GEMM kernel recomputes each logits tile and writes
+dlogits in the input dtype straight from registers.
 
-Backward: in chunks of rows (at most _BWD_CHUNK_BYTES of dlogits), a Triton GEMM kernel recomputes
-the logits tile by tile and writes dlogits (rows, V) in the input dtype straight from registers;
-then cuBLAS does dh[rows] = dlogits @ W and dW += dlogits^T @ h[rows] (fp32 accumulator across
-chunks). Why not keep everything in registers: a program owning dh rows must hold a (BLOCK_N, H)
-accumulator (917 KB at H = 3584) or recompute the logits once per H slice; one kernel for dh and
-another for dW costs 5 GEMMs instead of 4; atomics cost N H V / BLOCK_V read-modify-writes (about
-1 TB at N = 32k, V = 152k). A bounded dlogits buffer costs 4 GEMMs (3 on cuBLAS) plus streaming it.
-Any design that recomputes logits needs 4 GEMMs against the 3 of a plain matmul forward+backward,
-so fwd+bwd is at least 4/3 of the bare-matmul floor.
+VARIANT "cublas" (LOGPROB_VARIANT=cublas). cuBLAS computes each (rows, cols) block of h @ W^T with
+fp32 output (torch.mm(out_dtype=float32): bf16 products, fp32 sums, no bf16 rounding of the logits)
+and a memory-bound Triton kernel reads the block once: in the forward it folds it into running
+(m, s, a, z_t) per row (the merge rule above), in the backward it writes dlogits. Costs one fp32
+write + read of N x V (about 40 GB at the bench shape, some 10 ms at H200 bandwidth) and buys
+cuBLAS's GEMM speed for the logits (about 690 TFLOP/s where our Triton GEMMs reach about 500).
+
+Backward loop (both variants): row blocks outer, V chunks inner. For each row block r and chunk c:
+dlogits[r, c] (either variant), dh_acc[r] += dlogits[r, c] @ W[c] (fp32 accumulator, cuBLAS with
+out_dtype=float32: dh is rounded once), dW[c] += dlogits[r, c]^T @ h[r] (cuBLAS adds in fp32 and
+stores the input dtype: dW is rounded once per row block). So the order bounds the roundings of dW
+by the number of row blocks and keeps dh exact. Why not keep everything in registers: a program
+owning dh rows must hold a (BLOCK_N, H) accumulator (917 KB at H = 3584) or recompute the logits
+once per H slice; one kernel for dh and another for dW costs 5 GEMMs instead of 4; atomics cost
+N H V / BLOCK_V read-modify-writes (about 1 TB at N = 32k, V = 152k). Any design that recomputes
+the logits needs 4 GEMMs against the 3 of a plain matmul forward+backward, so fwd+bwd is at least
+4/3 of the bare-matmul floor.
+
+Memory. Workspace = what we allocate beyond the inputs, the saved (N,) stats and the returned dh, dW.
+Budget WORKSPACE_BYTES (LOGPROB_WORKSPACE_MB, default 320): the backward gives at most a third to
+the fp32 dh accumulator (rows x H x 4 B; this sets rows, then rows are evened out so that the
+blocks have equal size) and the rest to the (rows, cols) dlogits buffer (+ the fp32 logits block
+for "cublas"); the cublas forward uses it for one fp32 logits block (all rows when they fit). At
+N = 32768, H = 3584, V = 152064, bf16: rows 6656 (dW rounded 5 times), cols 17920 (triton) or
+5888 (cublas), 334 / 331 MB = 1.7% of the fp32 logits (19.9 GB). A 2048 MB budget makes rows = N:
+dW rounded once, as an unblocked backward would. fp32 inputs: dh is its own accumulator.
 """
 
 import os
@@ -57,11 +76,12 @@ except ImportError:  # CPU-only installs: impl="torch" still works
     HAS_TRITON = False
 
 IGNORE_INDEX = -100
-# Largest dlogits buffer the backward materialises at once (LOGPROB_BWD_CHUNK_MB to trade speed for memory), and
-# whether dW is accumulated across row chunks in fp32 (default, exact) or in the weight's dtype (LOGPROB_DW_ACCUM=
-# output: no V x H fp32 buffer, one rounding per chunk, as Liger-Kernel does). Measured settings: docs/kernels.md.
-_BWD_CHUNK_BYTES = int(os.environ.get("LOGPROB_BWD_CHUNK_MB", "2048")) << 20
-_DW_ACCUM_FP32 = os.environ.get("LOGPROB_DW_ACCUM", "fp32") != "output"
+# How the logits are computed (docstring): "triton" GEMM kernels with fused epilogues, or "cublas"
+# GEMMs into fp32 blocks + memory-bound Triton kernels. Read at every call; LOGPROB_VARIANT overrides.
+VARIANT = os.environ.get("LOGPROB_VARIANT", "triton")
+# Workspace beyond inputs, saved (N,) stats and the returned dh, dW ("Memory" in the docstring):
+# under 2% of the fp32 logits at N = 32k, V = 152k; a larger one rounds dW fewer times.
+WORKSPACE_BYTES = int(os.environ.get("LOGPROB_WORKSPACE_MB", "320")) << 20
 
 
 def _interpreting() -> bool:
@@ -166,13 +186,22 @@ if HAS_TRITON:
         tl.store(out + 3 * S * N, zt, mask=row_ok)
 
     @triton.jit
+    def _dlogits_math(z, offs_v, tgt, lse, ent, g_lp, g_ent, inv_temp):
+        """dlogits = (g_lp (onehot - p) - g_ent p (log p + H)) / T for a tile of z = logits / T."""
+        logp = z - lse[:, None]
+        p = tl.exp(logp)
+        onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
+        d = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (logp + ent[:, None])
+        return d * inv_temp
+
+    @triton.jit
     def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr,
-                        N, V, H: tl.constexpr, inv_temp, stride_hn, stride_hh, stride_wv,
+                        N, V, H: tl.constexpr, col0, inv_temp, stride_hn, stride_hh, stride_wv,
                         stride_wh, stride_dn,
                         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_N: tl.constexpr, EVEN_K: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-        """dlogits = (g_lp (onehot - p) - g_ent p (log p + H)) / T, one (BLOCK_N, BLOCK_V) tile."""
+        """One (BLOCK_N, BLOCK_V) tile of dlogits, the logits recomputed (w_ptr: rows col0.. of W)."""
         pid = tl.program_id(0)
         num_rb = tl.cdiv(N, BLOCK_N)
         num_vb = tl.cdiv(V, BLOCK_V)
@@ -189,18 +218,69 @@ if HAS_TRITON:
         z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v, row_ok, col_ok, H, stride_hn, stride_hh,
                          stride_wv, stride_wh, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
                          INPUT_PRECISION, UPCAST)
-        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1)
+        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1) - col0
         lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
         ent = tl.load(ent_ptr + offs_n, mask=row_ok, other=0.0)
         g_lp = tl.load(glp_ptr + offs_n, mask=row_ok, other=0.0)  # zero on ignored rows
         g_ent = tl.load(gent_ptr + offs_n, mask=row_ok, other=0.0)
-        logp = z - lse[:, None]
-        p = tl.exp(logp)
-        onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
-        d = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (logp + ent[:, None])
-        d = d * inv_temp
+        d = _dlogits_math(z, offs_v, tgt, lse, ent, g_lp, g_ent, inv_temp)
         dl_ptrs = dl_ptr + offs_n[:, None].to(tl.int64) * stride_dn + offs_v[None, :]
         tl.store(dl_ptrs, d.to(dl_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    # ---- "cublas" variant: cuBLAS writes an fp32 block of h @ W^T, these kernels stream it once ----
+    @triton.jit
+    def _stats_update_kernel(z_ptr, tgt_ptr, stat_ptr, R, ncols, col0, stride_z, stride_s,
+                             inv_temp, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_V: tl.constexpr):
+        """Fold an (R, ncols) fp32 block of h W^T (columns col0..) into running (m, s, a, z_t)."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_n < R
+        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1) - col0
+        m = tl.load(stat_ptr + offs_n, mask=row_ok, other=0.0)
+        s = tl.load(stat_ptr + stride_s + offs_n, mask=row_ok, other=0.0)
+        a = tl.load(stat_ptr + 2 * stride_s + offs_n, mask=row_ok, other=0.0)
+        zt = tl.load(stat_ptr + 3 * stride_s + offs_n, mask=row_ok, other=0.0)
+        for i in range(0, CHUNKS):  # constexpr bound, see _fwd_kernel
+            if i * BLOCK_V < ncols:
+                offs_v = i * BLOCK_V + tl.arange(0, BLOCK_V)
+                col_ok = offs_v < ncols
+                z_ptrs = z_ptr + offs_n[:, None].to(tl.int64) * stride_z + offs_v[None, :]
+                z = tl.load(z_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0) * inv_temp
+                z = tl.where(col_ok[None, :], z, float("-inf"))
+                m_new = tl.maximum(m, tl.max(z, axis=1))
+                shift = tl.where(m == float("-inf"), 0.0, m - m_new)
+                alpha = tl.exp(shift)
+                zc = z - m_new[:, None]
+                e = tl.exp(zc)
+                a = alpha * (a + s * shift) + tl.sum(e * tl.where(col_ok[None, :], zc, 0.0), 1)
+                s = alpha * s + tl.sum(e, axis=1)
+                m = m_new
+                hit = (offs_v[None, :] == tgt[:, None]) & col_ok[None, :]  # not the next chunk's
+                zt += tl.sum(tl.where(hit, z, 0.0), axis=1)
+        tl.store(stat_ptr + offs_n, m, mask=row_ok)
+        tl.store(stat_ptr + stride_s + offs_n, s, mask=row_ok)
+        tl.store(stat_ptr + 2 * stride_s + offs_n, a, mask=row_ok)
+        tl.store(stat_ptr + 3 * stride_s + offs_n, zt, mask=row_ok)
+
+    @triton.jit
+    def _dlogits_from_z_kernel(z_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr, R,
+                               ncols, col0, stride_z, stride_d, inv_temp,
+                               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One (BLOCK_N, BLOCK_V) tile of dlogits from an fp32 block of h W^T (columns col0..)."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_ok = offs_n < R
+        ok = row_ok[:, None] & (offs_v < ncols)[None, :]
+        rows64 = offs_n[:, None].to(tl.int64)
+        z = tl.load(z_ptr + rows64 * stride_z + offs_v[None, :], mask=ok, other=0.0) * inv_temp
+        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1) - col0
+        lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
+        ent = tl.load(ent_ptr + offs_n, mask=row_ok, other=0.0)
+        g_lp = tl.load(glp_ptr + offs_n, mask=row_ok, other=0.0)  # zero on ignored rows
+        g_ent = tl.load(gent_ptr + offs_n, mask=row_ok, other=0.0)
+        d = _dlogits_math(z, offs_v, tgt, lse, ent, g_lp, g_ent, inv_temp)
+        tl.store(dl_ptr + rows64 * stride_d + offs_v[None, :], d.to(dl_ptr.dtype.element_ty),
+                 mask=ok)
 
 
 def _num_sms(device) -> int:
@@ -295,85 +375,171 @@ def _fused_forward(hidden, weight, targets, temperature):
     return logp, entropy, lse
 
 
-_ADDMM_FP32 = {}  # device type -> whether addmm(out_dtype=float32, out=acc) works in place
+_MM_FP32 = {}  # (device type, dtype) -> whether torch.mm/addmm take out_dtype=float32 in place
 
 
-def _addmm_fp32_(acc, a, b):
-    """acc (fp32) += a @ b for bf16/fp16 a, b, in one cuBLAS call where torch supports it."""
-    dev = acc.device.type
-    if dev not in _ADDMM_FP32:
+def _mm_fp32(a, b, out, accumulate=False):
+    """out (fp32) = a @ b, or out += a @ b: products of bf16/fp16 a, b summed in fp32, never rounded
+    to the input dtype. One cuBLAS call where torch has mm/addmm(out_dtype=float32) (CUDA, torch >=
+    2.8); elsewhere (CPU) on fp32 copies of a and b."""
+    if a.dtype == torch.float32:
+        return torch.addmm(out, a, b, out=out) if accumulate else torch.mm(a, b, out=out)
+    key = (out.device.type, a.dtype)
+    if key not in _MM_FP32:
         try:
-            x = torch.randn(8, 16, device=acc.device).to(a.dtype)
-            y = torch.randn(16, 4, device=acc.device).to(a.dtype)
-            c = torch.ones(8, 4, device=acc.device)
+            x = torch.randn(8, 16, device=out.device).to(a.dtype)
+            y = torch.randn(16, 4, device=out.device).to(a.dtype)
+            c = torch.empty(8, 4, device=out.device)
+            torch.mm(x, y, out_dtype=torch.float32, out=c)
+            ok = torch.allclose(c, x.float() @ y.float(), rtol=1e-4, atol=1e-4)
             torch.addmm(c, x, y, out_dtype=torch.float32, out=c)
-            _ADDMM_FP32[dev] = torch.allclose(c, 1 + x.float() @ y.float(), rtol=1e-3, atol=1e-3)
+            _MM_FP32[key] = ok and torch.allclose(c, 2 * (x.float() @ y.float()), rtol=1e-4, atol=1e-4)
         except (RuntimeError, TypeError, NotImplementedError):
-            _ADDMM_FP32[dev] = False
-    if _ADDMM_FP32[dev]:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _MM_FP32[key] = False
+    if _MM_FP32[key] and accumulate:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    elif _MM_FP32[key]:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif accumulate:
+        out.addmm_(a.float(), b.float())
     else:
-        acc += a @ b
+        torch.mm(a.float(), b.float(), out=out)
 
 
-def _fused_backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature,
-                    need_dh, need_dw):
-    N, H = hidden.shape
-    V = weight.shape[0]
-    cfg = _configs("bwd", hidden.dtype, hidden.device)
-    rows = max(cfg["BLOCK_N"], (_BWD_CHUNK_BYTES // (V * hidden.element_size())) // 256 * 256)
-    rows = min(rows, N)
-    dh = torch.empty_like(hidden) if need_dh else None
-    dw = None
-    dw_acc = None
-    if need_dw and rows < N:  # several chunks: accumulate dW in fp32 (or in the weight's dtype, see above)
-        acc_dtype = torch.float32 if _DW_ACCUM_FP32 else weight.dtype
-        dw_acc = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype)
-    dl = torch.empty(rows, V, device=hidden.device, dtype=hidden.dtype)  # (rows, V) reused
+def _align(hidden) -> int:
+    return 128 if hidden.device.type == "cuda" and not _interpreting() else 16
+
+
+def _split(n: int, most: int, align: int) -> int:
+    """Block length <= most that cuts n into nearly equal blocks, a multiple of align (or n)."""
+    if n <= most:
+        return n
+    per_block = triton.cdiv(n, triton.cdiv(n, most))
+    return min(most, triton.cdiv(per_block, align) * align)
+
+
+def _bwd_tiles(N, V, H, elt_bytes, budget, align):
+    """(rows, cols) of the backward's blocks. rows: the fp32 dh accumulator (rows, H) takes at most a
+    third of the budget; cols: the (rows, cols) logits + dlogits buffers (elt_bytes each) the rest."""
+    rows = _split(N, max(align, budget // 3 // (4 * H) // align * align), align)
+    cols = max(align, (budget - rows * 4 * H) // (rows * elt_bytes) // align * align)
+    return rows, min(V, cols)
+
+
+def _fwd_tiles(N, V, budget, align):
+    """(rows, cols) of the fp32 logits block of the cublas forward: all rows when 8 aligned column
+    blocks fit, so each GEMM is tall."""
+    cols = min(V, max(8 * align, budget // (4 * N) // align * align))
+    return _split(N, max(align, budget // (4 * cols) // align * align), align), cols
+
+
+def _stream_cfg(hidden):
+    """Tile of the memory-bound kernels: small in the interpreter (several column blocks per chunk)."""
+    if hidden.device.type != "cuda" or _interpreting():
+        return dict(BLOCK_N=16, BLOCK_V=32, num_warps=4)
+    return dict(BLOCK_N=16, BLOCK_V=512, num_warps=8)
+
+
+def _cublas_forward(hidden, weight, targets, temperature):
+    """Online logsumexp / entropy / target logit over fp32 blocks of h @ W^T written by cuBLAS."""
+    N, V = hidden.shape[0], weight.shape[0]
+    rows, cols = _fwd_tiles(N, V, WORKSPACE_BYTES, _align(hidden))
+    stats = torch.zeros(4, N, device=hidden.device, dtype=torch.float32)  # (4, N): m, s, a, z_t
+    stats[0] = float("-inf")
+    z_buf = torch.empty(rows * cols, device=hidden.device, dtype=torch.float32)
+    c = _stream_cfg(hidden)
     for r0 in range(0, N, rows):
         r1 = min(r0 + rows, N)
-        h_c = hidden[r0:r1]
-        dl_c = dl[: r1 - r0]
+        st = stats[:, r0:r1]
+        for v0 in range(0, V, cols):
+            v1 = min(v0 + cols, V)
+            z = z_buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)  # (rows, cols)
+            _mm_fp32(hidden[r0:r1], weight[v0:v1].t(), z)
+            _stats_update_kernel[(triton.cdiv(r1 - r0, c["BLOCK_N"]),)](
+                z, targets[r0:r1], st, r1 - r0, v1 - v0, v0, z.stride(0), st.stride(0),
+                1.0 / temperature, CHUNKS=triton.cdiv(cols, c["BLOCK_V"]), BLOCK_N=c["BLOCK_N"],
+                BLOCK_V=c["BLOCK_V"], num_warps=c["num_warps"])
+    m, s, a, zt = stats.unbind(0)  # each (N,)
+    log_s = torch.log(s)
+    lse = m + log_s  # (N,)
+    return zt - lse, log_s - a / s, lse
 
-        def launch(c):
-            grid = (triton.cdiv(r1 - r0, c["BLOCK_N"]) * triton.cdiv(V, c["BLOCK_V"]),)
-            _dlogits_kernel[grid](
-                h_c, weight, targets[r0:r1], lse[r0:r1], entropy[r0:r1], g_lp[r0:r1],
-                g_ent[r0:r1], dl_c, r1 - r0, V, H, 1.0 / temperature,
-                h_c.stride(0), h_c.stride(1), weight.stride(0), weight.stride(1), dl_c.stride(0),
-                BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"], BLOCK_K=c["BLOCK_K"],
-                GROUP_N=c["GROUP_N"], EVEN_K=H % c["BLOCK_K"] == 0,
-                INPUT_PRECISION=_input_precision(hidden.dtype), UPCAST=_interpreting(),
-                num_warps=c["num_warps"], num_stages=c["num_stages"],
-            )
 
-        if r0 == 0:
-            cfg = _pick("bwd", h_c, weight, launch)
-        launch(cfg)
-        if need_dh:
-            torch.mm(dl_c, weight, out=dh[r0:r1])
-        if need_dw:
-            if dw_acc is None:
-                dw = dl_c.t() @ h_c
-            elif hidden.dtype == torch.float32 or dw_acc.dtype == hidden.dtype:
-                dw_acc.addmm_(dl_c.t(), h_c)
+def _backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature, need_dh, need_dw,
+              variant):
+    """dh, dW in blocks of rows (outer) x columns of V (inner); see "Memory" in the docstring."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    fp32 = hidden.dtype == torch.float32
+    elt = hidden.element_size() + (4 if variant == "cublas" else 0)  # dlogits (+ fp32 logits)
+    rows, cols = _bwd_tiles(N, V, H, elt, WORKSPACE_BYTES, _align(hidden))
+    dh = torch.empty_like(hidden) if need_dh else None  # (N, H)
+    dw = torch.empty_like(weight) if need_dw else None  # (V, H)
+    dh_acc = None
+    if need_dh and not fp32:  # fp32 inputs accumulate straight into dh
+        dh_acc = torch.empty(rows, H, device=hidden.device, dtype=torch.float32)  # (rows, H)
+    dl_buf = torch.empty(rows * cols, device=hidden.device, dtype=hidden.dtype)
+    z_buf = None
+    if variant == "cublas":
+        z_buf = torch.empty(rows * cols, device=hidden.device, dtype=torch.float32)
+    inv_temp = 1.0 / temperature
+    cfg = _configs("bwd", hidden.dtype, hidden.device)
+    sc = _stream_cfg(hidden)
+    for r0 in range(0, N, rows):
+        r1 = min(r0 + rows, N)
+        h_r = hidden[r0:r1]
+        row_args = (targets[r0:r1], lse[r0:r1], entropy[r0:r1], g_lp[r0:r1], g_ent[r0:r1])
+        acc = dh[r0:r1] if fp32 and need_dh else (dh_acc[: r1 - r0] if need_dh else None)
+        for v0 in range(0, V, cols):
+            v1 = min(v0 + cols, V)
+            w_c = weight[v0:v1]
+            dl = dl_buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)  # (rows, cols)
+            if variant == "cublas":
+                z = z_buf[: dl.numel()].view_as(dl)  # (rows, cols) fp32
+                _mm_fp32(h_r, w_c.t(), z)
+                grid = (triton.cdiv(r1 - r0, sc["BLOCK_N"]), triton.cdiv(v1 - v0, sc["BLOCK_V"]))
+                _dlogits_from_z_kernel[grid](
+                    z, *row_args, dl, r1 - r0, v1 - v0, v0, z.stride(0), dl.stride(0), inv_temp,
+                    BLOCK_N=sc["BLOCK_N"], BLOCK_V=sc["BLOCK_V"], num_warps=sc["num_warps"])
             else:
-                _addmm_fp32_(dw_acc, dl_c.t(), h_c)
-    if dw_acc is not None:
-        dw = dw_acc.to(weight.dtype)
+                def launch(c, h_r=h_r, w_c=w_c, dl=dl, v0=v0, row_args=row_args):
+                    n, v = dl.shape
+                    grid = (triton.cdiv(n, c["BLOCK_N"]) * triton.cdiv(v, c["BLOCK_V"]),)
+                    _dlogits_kernel[grid](
+                        h_r, w_c, *row_args, dl, n, v, H, v0, inv_temp, h_r.stride(0),
+                        h_r.stride(1), w_c.stride(0), w_c.stride(1), dl.stride(0),
+                        BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"], BLOCK_K=c["BLOCK_K"],
+                        GROUP_N=c["GROUP_N"], EVEN_K=H % c["BLOCK_K"] == 0,
+                        INPUT_PRECISION=_input_precision(hidden.dtype), UPCAST=_interpreting(),
+                        num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+                if r0 == 0 and v0 == 0:
+                    cfg = _pick("bwd", h_r, w_c, launch)
+                launch(cfg)
+            if need_dh:  # fp32 sum over all of V, one rounding at the end of the row block
+                _mm_fp32(dl, w_c, acc, accumulate=v0 > 0)
+            if need_dw:  # one rounding per row block (cuBLAS adds in fp32, stores the input dtype)
+                if r0 == 0:
+                    torch.mm(dl.t(), h_r, out=dw[v0:v1])
+                else:
+                    dw[v0:v1].addmm_(dl.t(), h_r)
+        if need_dh and not fp32:
+            dh[r0:r1].copy_(acc)
     return dh, dw
 
 
 class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature):
+    def forward(ctx, hidden, weight, targets, temperature, variant):
         hidden = hidden.contiguous()
         weight = weight.contiguous()
         targets = targets.contiguous()
-        logp, entropy, lse = _fused_forward(hidden, weight, targets, temperature)
+        forward = _cublas_forward if variant == "cublas" else _fused_forward
+        logp, entropy, lse = forward(hidden, weight, targets, temperature)
         valid = targets != IGNORE_INDEX  # (N,)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy, valid)
         ctx.temperature = temperature
+        ctx.variant = variant
         zero = logp.new_zeros(())
         return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
 
@@ -382,20 +548,20 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, entropy, valid = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dh or need_dw) or hidden.shape[0] == 0:
-            return None, None, None, None
+            return None, None, None, None, None
         zero = lse.new_zeros(())
         g_lp = torch.zeros_like(lse) if g_lp is None else torch.where(valid, g_lp.float(), zero)
         g_ent = torch.zeros_like(lse) if g_ent is None else torch.where(valid, g_ent.float(), zero)
-        dh, dw = _fused_backward(hidden, weight, targets, lse, entropy, g_lp.contiguous(),
-                                 g_ent.contiguous(), ctx.temperature, need_dh, need_dw)
-        return dh, dw, None, None
+        dh, dw = _backward(hidden, weight, targets, lse, entropy, g_lp.contiguous(),
+                           g_ent.contiguous(), ctx.temperature, need_dh, need_dw, ctx.variant)
+        return dh, dw, None, None, None
 
 
 def token_logprobs(hidden, weight, targets, temperature: float = 1.0, impl: str = "auto"):
     """(logp (N,), entropy (N,)) in fp32 of targets under softmax(hidden @ weight.T / temperature).
 
-    impl: "fused" (Triton), "torch" (fp32 reference, materialises the logits), "auto" (fused when
-    on CUDA with Triton importable, torch otherwise).
+    impl: "fused" (Triton, variant kernels.logprob.VARIANT), "torch" (fp32 reference, materialises
+    the logits), "auto" (fused when on CUDA with Triton importable, torch otherwise).
     """
     assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1]
     assert targets.shape == hidden.shape[:1], (targets.shape, hidden.shape)
@@ -407,7 +573,9 @@ def token_logprobs(hidden, weight, targets, temperature: float = 1.0, impl: str 
         raise ValueError(f"impl must be 'auto', 'fused' or 'torch', got {impl!r}")
     if not HAS_TRITON:
         raise RuntimeError("impl='fused' needs triton")
+    if VARIANT not in ("triton", "cublas"):
+        raise ValueError(f"LOGPROB_VARIANT must be 'triton' or 'cublas', got {VARIANT!r}")
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.sum() * 0 + weight.sum() * 0
         return empty, empty.clone()
-    return _FusedTokenLogprobs.apply(hidden, weight, targets, float(temperature))
+    return _FusedTokenLogprobs.apply(hidden, weight, targets, float(temperature), VARIANT)

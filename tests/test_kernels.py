@@ -25,6 +25,20 @@ if HAS_TRITON and not torch.cuda.is_available() and lp._interpreting():
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+VARIANTS = ["triton", "cublas"]
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, monkeypatch):
+    """Run the test with each way of computing the logits (kernels.logprob.VARIANT)."""
+    monkeypatch.setattr(lp, "VARIANT", request.param)
+    return request.param
+
+
+def set_tiles(monkeypatch, fwd, bwd):
+    """Force the (rows, cols) blocks of the cublas forward and of the backward."""
+    monkeypatch.setattr(lp, "_fwd_tiles", lambda *a: fwd)
+    monkeypatch.setattr(lp, "_bwd_tiles", lambda *a: bwd)
 
 
 def make_inputs(N, H, V, dtype, device=DEV, scale=1.0, seed=0, n_masked=2):
@@ -103,19 +117,19 @@ CASES = [  # N, H, V, dtype, temperature: V and N off the block sizes (16 x 32 x
 
 @needs_triton
 @pytest.mark.parametrize("N,H,V,dtype,temperature", CASES)
-def test_matches_reference(N, H, V, dtype, temperature):
+def test_matches_reference(N, H, V, dtype, temperature, variant):
     check(N, H, V, dtype, temperature)
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_large_logits_stay_finite(dtype):
+def test_large_logits_stay_finite(dtype, variant):
     # hidden x 50: logits in the hundreds, most probabilities underflow to 0.
     check(32, 32, 200, dtype, 1.0, scale=50.0)
 
 
 @needs_triton
-def test_unlikely_targets():
+def test_unlikely_targets(variant):
     hidden, weight, _, _, _ = make_inputs(24, 32, 150, torch.float32, scale=8.0)
     logits = hidden @ weight.t()
     tgt = logits.argmin(-1)  # log-probs of about -100
@@ -125,7 +139,7 @@ def test_unlikely_targets():
 
 
 @needs_triton
-def test_all_rows_ignored():
+def test_all_rows_ignored(variant):
     hidden, weight, _, g_lp, g_ent = make_inputs(8, 16, 40, torch.float32)
     tgt = torch.full((8,), lp.IGNORE_INDEX, device=DEV)
     logp, ent, dh, dw = run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent)
@@ -134,7 +148,7 @@ def test_all_rows_ignored():
 
 @needs_triton
 @pytest.mark.parametrize("which", ["logp", "entropy"])
-def test_one_output_used(which):
+def test_one_output_used(which, variant):
     # Only one output in the loss: the other's upstream gradient is None inside backward.
     hidden, weight, tgt, _, _ = make_inputs(16, 16, 70, torch.float32)
     grads = []
@@ -150,17 +164,71 @@ def test_one_output_used(which):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dw_fp32", [True, False])
-def test_backward_in_row_chunks(dtype, dw_fp32, monkeypatch):
-    # Force several dlogits chunks: dh per chunk, dW accumulated across chunks (in fp32, or in the input dtype
-    # with LOGPROB_DW_ACCUM=output).
-    monkeypatch.setattr(lp, "_BWD_CHUNK_BYTES", 16 * 90 * 4)
-    monkeypatch.setattr(lp, "_DW_ACCUM_FP32", dw_fp32)
-    check(50, 32, 90, dtype, 1.0)
+@pytest.mark.parametrize("fwd,bwd", [((16, 32), (16, 32)), ((13, 40), (20, 23)), ((50, 16), (48, 90))])
+def test_blocks(dtype, fwd, bwd, variant, monkeypatch):
+    # Several row blocks and column chunks, sizes on and off the kernels' tiles (16 x 32): the cublas
+    # forward merges stats across column chunks; the backward sums dh over column chunks in fp32 and
+    # dW over row blocks (one rounding each in bf16).
+    set_tiles(monkeypatch, fwd, bwd)
+    check(50, 32, 90, dtype, 0.8)
 
 
 @needs_triton
-def test_tied_embedding():
+@pytest.mark.parametrize("fwd,bwd", [((16, 32), (16, 32)), ((64, 90), (64, 90))])
+def test_blocking_does_not_change_results(fwd, bwd, variant, monkeypatch):
+    # fp32: the blocked result equals the one-block result up to fp32 summation order.
+    hidden, weight, tgt, g_lp, g_ent = make_inputs(50, 32, 90, torch.float32)
+    set_tiles(monkeypatch, (64, 90), (64, 90))
+    one = run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent)
+    set_tiles(monkeypatch, fwd, bwd)
+    blocked = run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent)
+    for name, a, b in zip(("logp", "entropy", "dh", "dW"), blocked, one):
+        assert_close(name, a, b, 1e-6, 1e-6)
+
+
+@needs_triton
+def test_dh_only_and_dw_only(variant, monkeypatch):
+    # Only one input needs a gradient: the backward skips the other GEMM and its buffers.
+    set_tiles(monkeypatch, (16, 32), (16, 32))
+    hidden, weight, tgt, g_lp, g_ent = make_inputs(40, 16, 70, torch.bfloat16)
+    _, _, dh_ref, dw_ref = reference(hidden, weight, tgt, 1.0, g_lp, g_ent)
+    for h_grad in (True, False):
+        h = hidden.clone().requires_grad_(h_grad)
+        w = weight.clone().requires_grad_(not h_grad)
+        logp, ent = lp.token_logprobs(h, w, tgt, 1.0, impl="fused")
+        (logp * g_lp + ent * g_ent).sum().backward()
+        got, want = (h.grad, dh_ref) if h_grad else (w.grad, dw_ref)
+        assert (w.grad is None) == h_grad and (h.grad is None) != h_grad
+        assert_close("dh" if h_grad else "dW", got, want, 2e-2, 1e-3)
+
+
+def test_workspace_budget():
+    # Bench shape (Qwen2.5-7B head, 32k tokens, bf16): the backward's workspace (fp32 dh accumulator +
+    # logits and dlogits blocks) stays under the budget and under 2% of the fp32 logits; dW is
+    # rounded at most 5 times; the blocks are large enough for efficient GEMMs.
+    N, H, V = 32768, 3584, 152064
+    for elt in (2, 6):  # triton variant: bf16 dlogits; cublas: + fp32 logits
+        rows, cols = lp._bwd_tiles(N, V, H, elt, lp.WORKSPACE_BYTES, 128)
+        ws = rows * H * 4 + rows * cols * elt
+        assert ws <= lp.WORKSPACE_BYTES and ws < 0.02 * N * V * 4, (rows, cols, ws)
+        assert -(-N // rows) <= 5 and rows % 128 == 0 and cols % 128 == 0 and cols >= 4096
+    rows, cols = lp._fwd_tiles(N, V, lp.WORKSPACE_BYTES, 128)
+    assert rows * cols * 4 <= lp.WORKSPACE_BYTES and rows == N and cols >= 2048
+    # Small problems: one block each way, nothing above the problem size.
+    assert lp._bwd_tiles(100, 1000, 64, 6, lp.WORKSPACE_BYTES, 128) == (100, 1000)
+    assert lp._fwd_tiles(100, 1000, lp.WORKSPACE_BYTES, 128) == (100, 1000)
+    assert lp._split(1000, 300, 16) == 256 and lp._split(1000, 1000, 16) == 1000
+
+
+def test_bad_variant(monkeypatch):
+    monkeypatch.setattr(lp, "VARIANT", "cutlass")
+    hidden, weight, tgt, _, _ = make_inputs(4, 8, 10, torch.float32, device="cpu")
+    with pytest.raises(ValueError):
+        lp.token_logprobs(hidden, weight, tgt, impl="fused")
+
+
+@needs_triton
+def test_tied_embedding(variant):
     # The LM head reuses the input embedding: autograd sums d(embedding lookup) and d(head).
     V, H, N = 120, 32, 24
     hidden, weight, tgt, g_lp, g_ent = make_inputs(N, H, V, torch.float32)
@@ -211,7 +279,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("N,H,V,dtype,temperature", GPU_CASES)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_matches_reference(N, H, V, dtype, temperature):
+def test_gpu_matches_reference(N, H, V, dtype, temperature, variant):
     torch.backends.cuda.matmul.allow_tf32 = False
     check(N, H, V, dtype, temperature, device="cuda")
 
@@ -219,6 +287,35 @@ def test_gpu_matches_reference(N, H, V, dtype, temperature):
 @needs_triton
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_large_logits_and_chunks(monkeypatch):
-    monkeypatch.setattr(lp, "_BWD_CHUNK_BYTES", 256 * 50000 * 2)  # several row chunks
+def test_gpu_large_logits_and_blocks(variant, monkeypatch):
+    monkeypatch.setattr(lp, "WORKSPACE_BYTES", 64 << 20)  # several row blocks and column chunks
+    rows, cols = lp._bwd_tiles(1500, 50000, 512, 6, lp.WORKSPACE_BYTES, 128)
+    assert rows < 1500 and cols < 50000
     check(1500, 512, 50000, torch.bfloat16, 1.0, device="cuda", scale=50.0)
+
+
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_workspace_within_budget(variant, monkeypatch):
+    # Peak memory of forward + backward above inputs and gradients stays within the budget (+ 5% and
+    # 48 MB for (N,) vectors, the allocator's rounding and cuBLAS's workspace).
+    budget = 128 << 20
+    monkeypatch.setattr(lp, "WORKSPACE_BYTES", budget)
+    hidden, weight, tgt, g_lp, g_ent = make_inputs(8192, 2048, 65536, torch.bfloat16, "cuda")
+    h = hidden.requires_grad_()
+    w = weight.requires_grad_()
+
+    def fwd_bwd():
+        logp, ent = lp.token_logprobs(h, w, tgt, 1.0, impl="fused")
+        (logp * g_lp + ent * g_ent).sum().backward()
+
+    fwd_bwd()  # compiles, tunes, allocates cuBLAS's workspace
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    workspace = torch.cuda.max_memory_allocated() - base - h.numel() * 2 - w.numel() * 2
+    assert workspace <= budget * 1.05 + (48 << 20), workspace / 2**20

@@ -115,6 +115,20 @@ def test_to_rollout_prompt_major_and_reasons():
     assert r.logprobs == [[-0.5, -1.5, -2.5], [-0.5], [-0.5, -1.5], [-0.5]]
 
 
+class _Flat(list):
+    """Stand-in for vllm.logprobs.FlatLogprobs with logprobs=0: one entry per position, flat lists of ids / values."""
+
+    def __init__(self, toks, values):
+        super().__init__([None] * len(toks))
+        self.token_ids, self.logprobs = list(toks), list(values)
+
+
+def test_to_rollout_reads_flat_logprobs():
+    toks = [5, 6, 2]
+    c = SimpleNamespace(index=0, token_ids=toks, finish_reason="stop", logprobs=_Flat(toks, [-0.1, -0.2, -0.3]))
+    assert to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])]).logprobs == [[-0.1, -0.2, -0.3]]
+
+
 def test_to_rollout_without_logprobs_and_bad_reason():
     c = SimpleNamespace(index=0, token_ids=[5], finish_reason="stop", logprobs=None)
     assert to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])]).logprobs is None

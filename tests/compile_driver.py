@@ -1,6 +1,6 @@
 """Packed log-probs and gradients of a tiny model sharded with FSDP2, with the decoder layers compiled or not.
 
-    python tests/compile_driver.py MODEL_DIR OUT.pt
+    python tests/compile_driver.py MODEL_DIR OUT.pt [cpu|cuda]
 
 Runs three micro-batches of different lengths (the compiled graphs must cope with the shape changes) in each of
 three settings: eager, compiled, compiled + activation checkpointing; saves logp and the gradients of each.
@@ -17,7 +17,7 @@ from common.models import TokenLogProbs, load_causal_lm
 from common.packing import pack
 
 model_dir, out = sys.argv[1], sys.argv[2]
-d = D.init_distributed("cpu")
+d = D.init_distributed(sys.argv[3] if len(sys.argv) > 3 else "cpu")
 register_varlen_attention()
 results = {}
 for name, fsdp in (("eager", FSDPArgs(compile="off")), ("compiled", FSDPArgs(compile="on")),
@@ -29,11 +29,11 @@ for name, fsdp in (("eager", FSDPArgs(compile="off")), ("compiled", FSDPArgs(com
         lens = [(3 + step, 2 + step), (7, 4), (2 + 2 * step, 5)]
         prompts = [torch.randint(0, 1000, (p,), generator=g).tolist() for p, _ in lens]
         responses = [torch.randint(0, 1000, (r,), generator=g).tolist() for _, r in lens]
-        mb = pack(prompts, responses, [0, 1, 2])
+        mb = pack(prompts, responses, [0, 1, 2]).to(d.device)
         logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, 1.0, **attn_kwargs(mb))
         (logp.sum() + 0.1 * entropy.sum()).backward()
-        logps.append(logp.detach())
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        logps.append(logp.detach().cpu())
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu()
              for n, p in policy.named_parameters()}
     results[name] = {"logp": logps, "grads": grads}
 torch.save(results, out)

@@ -302,10 +302,12 @@ class VLLMEngine:
         lo, hi = 0, len(prompts)
         if self._tp_group is not None:  # every rank of the engine submits the union, then keeps its own slice
             everyone = [None] * self.args.tensor_parallel_size
-            knobs = (n, temperature, top_p, top_k, max_new_tokens, seed, stop_token_ids, ignore_eos)
-            dist.all_gather_object(everyone, (prompts, knobs), group=self._tp_group)
-            if any(k != knobs for _, k in everyone):
+            knobs = (n, temperature, top_p, top_k, max_new_tokens, stop_token_ids, ignore_eos)
+            dist.all_gather_object(everyone, (prompts, knobs, seed), group=self._tp_group)
+            if any(k != knobs for _, k, _ in everyone):
                 raise RuntimeError("ranks of one tensor-parallel vLLM engine passed different sampling settings")
+            seed = everyone[0][2]  # callers derive seeds from their rank; the engine's first rank decides
+            everyone = [(p, k) for p, k, _ in everyone]
             lo = sum(len(p) for p, _ in everyone[:self.tp_rank])
             hi = lo + len(prompts)
             prompts = [p for ps, _ in everyone for p in ps]

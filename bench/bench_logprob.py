@@ -207,7 +207,7 @@ def main():
     for variant in args.variants.split(","):
         if variant == "cublas" and h.dtype != torch.float32:
             klp._mm_fp32(h.detach()[:8], w.detach()[:8].t(), torch.empty(8, 8, device="cuda"))
-            if not klp._MM_FP32[("cuda", h.dtype)]:
+            if not klp._MM_FP32[("cuda", h.dtype)][0]:
                 print("skipping cublas: this torch has no mm(out_dtype=float32) on CUDA, and "
                       "the fp32-copy fallback is far too slow to time here", flush=True)
                 continue
@@ -230,7 +230,7 @@ def main():
                 h.grad = w.grad = None
                 torch.cuda.empty_cache()
     print("triton configs chosen:", {k[0]: v for k, v in klp.TUNED.items()} or "defaults",
-          "| mm out_dtype=fp32 in place:", klp._MM_FP32, flush=True)
+          "| (mm, addmm) out_dtype=fp32 work:", klp._MM_FP32, flush=True)
     del ref
     torch.cuda.empty_cache()
     if "matmul" not in skip:

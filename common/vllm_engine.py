@@ -6,6 +6,7 @@ only function that reaches into the model vLLM holds: it is what breaks on a vLL
 The pure helpers above the class (memory budget, bucketing, output conversion, seeds, layout) are unit-tested
 on CPU in tests/test_vllm_engine.py.
 """
+import gc
 import json
 import os
 import time
@@ -327,8 +328,17 @@ class VLLMEngine:
             max_tokens=max_new_tokens, seed=s, stop_token_ids=stops, ignore_eos=ignore_eos,
             logprobs=0,  # 0 extra alternatives: only the sampled token's log-prob
             detokenize=False, **self._flat) for s in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=False)
-        rollout = to_rollout(outputs)
+        # No cyclic garbage collection while vLLM builds its per-request outputs: in a trainer process with a large
+        # heap every collection of the oldest generation walks all of it; the new objects are collected once after.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=False)
+            rollout = to_rollout(outputs)
+            del outputs
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         if len(rollout.response_ids) != len(prompts) * n:
             raise RuntimeError(f"vLLM returned {len(rollout.response_ids)} sequences for {len(prompts)} x {n}")
         if (lo, hi) != (0, len(prompts)):

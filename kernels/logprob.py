@@ -376,7 +376,28 @@ def _fused_forward(hidden, weight, targets, temperature):
     return logp, entropy, lse
 
 
-_MM_FP32 = {}  # (device type, dtype) -> whether torch.mm/addmm take out_dtype=float32 in place
+_MM_FP32 = {}  # (device type, dtype) -> (mm, addmm) with out_dtype=float32 and out= work
+
+
+def _probe_mm_fp32(device, dtype):
+    x = torch.randn(8, 16, device=device).to(dtype)
+    y = torch.randn(4, 16, device=device).to(dtype).t()  # transposed, as W_c^T
+    want = x.float() @ y.float()
+    ok = []
+    for accumulate in (False, True):
+        c = torch.ones(8, 4, device=device)
+        try:
+            if accumulate:
+                torch.addmm(c, x, y, out_dtype=torch.float32, out=c)
+            else:
+                torch.mm(x, y, out_dtype=torch.float32, out=c)
+            ok.append(torch.allclose(c, want + float(accumulate), rtol=1e-4, atol=1e-4))
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok.append(False)
+    if device.type == "cuda" and not ok[0]:
+        warnings.warn("torch.mm(out_dtype=float32) unavailable: kernels.logprob multiplies fp32 "
+                      "copies (slow); torch >= 2.8 has it")
+    return tuple(ok)
 
 
 def _mm_fp32(a, b, out, accumulate=False):
@@ -387,22 +408,13 @@ def _mm_fp32(a, b, out, accumulate=False):
         return torch.addmm(out, a, b, out=out) if accumulate else torch.mm(a, b, out=out)
     key = (out.device.type, a.dtype)
     if key not in _MM_FP32:
-        try:
-            x = torch.randn(8, 16, device=out.device).to(a.dtype)
-            y = torch.randn(4, 16, device=out.device).to(a.dtype).t()  # transposed, as W_c^T
-            c = torch.empty(8, 4, device=out.device)
-            torch.mm(x, y, out_dtype=torch.float32, out=c)
-            ok = torch.allclose(c, x.float() @ y.float(), rtol=1e-4, atol=1e-4)
-            torch.addmm(c, x, y, out_dtype=torch.float32, out=c)
-            _MM_FP32[key] = ok and torch.allclose(c, 2 * (x.float() @ y.float()), rtol=1e-4, atol=1e-4)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_FP32[key] = False
-        if not _MM_FP32[key] and out.device.type == "cuda":
-            warnings.warn("torch.mm(out_dtype=float32) unavailable: kernels.logprob multiplies "
-                          "fp32 copies (slow); use LOGPROB_VARIANT=triton")
-    if _MM_FP32[key] and accumulate:
+        _MM_FP32[key] = _probe_mm_fp32(out.device, a.dtype)
+    mm_ok, addmm_ok = _MM_FP32[key]
+    if accumulate and addmm_ok:
         torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-    elif _MM_FP32[key]:
+    elif accumulate and mm_ok:  # a temporary the size of out
+        out += torch.mm(a, b, out_dtype=torch.float32)
+    elif mm_ok:
         torch.mm(a, b, out_dtype=torch.float32, out=out)
     elif accumulate:
         out.addmm_(a.float(), b.float())

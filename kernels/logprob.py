@@ -309,9 +309,9 @@ def _input_precision(dtype):
 # is the default. BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages.
 _CANDIDATES = {
     "fwd": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
-            (128, 128, 128, 8, 3), (64, 256, 64, 4, 4)],
+            (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 256, 64, 8, 4)],
     "bwd": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
-            (128, 128, 128, 8, 3)],
+            (128, 128, 128, 8, 3), (128, 256, 64, 8, 4)],
 }
 _TUNE_MIN_WORK = 1 << 40  # N * H * V below which the default config is used untimed
 TUNED = {}  # (kind, dtype, H, V, N bucket) -> chosen config; read by bench/bench_logprob.py

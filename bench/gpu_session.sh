@@ -62,7 +62,7 @@ start)  # after `stage ... site`: data, then the job queues of this session (edi
   xz -dc $A/gsm8k_train.jsonl.xz > /tmp/data/gsm8k/train.jsonl; xz -dc $A/gsm8k_test.jsonl.xz > /tmp/data/gsm8k/test.jsonl
   cp $A/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
   W05="python3 bench/w05.py --tokenizer-tar $A/qwen2.5-tokenizer.tar.xz --gsm8k /tmp/data/gsm8k/train.jsonl --work-dir /tmp/w05"
-  KERNEL=${KERNEL_CMD:-"python3 -m pytest -m gpu tests/test_kernels.py -q -x -p no:cacheprovider; PYTHONPATH=/tmp/peers:\$PYTHONPATH python3 bench/bench_logprob.py --profile"}
+  KERNEL=${KERNEL_CMD:-"PYTHONPATH=/tmp/peers:\$PYTHONPATH timeout 300 python3 bench/bench_logprob.py --variants triton,cublas --budgets-mb 320,2048 --profile; LOGPROB_TUNE=0 timeout 200 python3 -m pytest -m gpu tests/test_kernels.py -q -rf -p no:cacheprovider"}
   # GPU 0: correctness, then W05 (our loop + standalone vLLM), then W05 with the layers not compiled
   setsid bash -c "
     $(declare -f job); L=$L

@@ -79,7 +79,7 @@ start)  # after `stage ... site`: data, then the job queues of this session (edi
     job w05-offload 1 'OUT=$L/w05-offload $W05 --nproc 1 --num-steps 3 --only grpo --grpo-extra \"--fsdp.cpu-offload\"'
     touch $L/gpu1.done
     while [ ! -f $L/gpu0.done ]; do sleep 5; done
-    job w05-2gpu 0,1 'OUT=$L/w05-2 $W05 --nproc 2 --num-steps 4 --only grpo'
+    job w05-2gpu 0,1 'OUT=$L/w05-2 $W05 --nproc 2 --num-steps 3 --only grpo'
     job w05-2gpu-tp2 0,1 'OUT=$L/w05-2tp $W05 --nproc 2 --num-steps 3 --only grpo --grpo-extra \"--vllm.tensor-parallel-size 2\"'
     job w7b-2 0,1 'OUT=$L/w7b bash bench/w7b.sh --tokenizer-tar $A/qwen2.5-tokenizer.tar.xz --gsm8k /tmp/data/gsm8k/train.jsonl --work-dir /tmp/w05 --only grpo --num-steps 3'
     touch $L/all.done

@@ -219,7 +219,11 @@ def main():
     ap.add_argument("--work-dir", default="/tmp/w05", help="model folder, tokenizer and prompts (reused)")
     ap.add_argument("--out", default="bench_out/w05", help="logs and summary (ignored when $OUT is set)")
     ap.add_argument("--setup-only", action="store_true", help=argparse.SUPPRESS)  # the build sub-run
-    a = ap.parse_args()
+    argv = sys.argv[1:]  # `--grpo-extra "--flag ..."`: argparse would take the value for an option of its own
+    for i in range(len(argv) - 1):
+        if argv[i] == "--grpo-extra":
+            argv[i:i + 2] = [f"--grpo-extra={argv[i + 1]}", ""]
+    a = ap.parse_args([x for x in argv if x != ""])
     if a.setup_only:
         return setup(a)
 

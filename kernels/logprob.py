@@ -79,7 +79,7 @@ except ImportError:  # CPU-only installs: impl="torch" still works
 IGNORE_INDEX = -100
 # How the logits are computed (docstring): "triton" GEMM kernels with fused epilogues, or "cublas"
 # GEMMs into fp32 blocks + memory-bound Triton kernels. Read at every call; LOGPROB_VARIANT overrides.
-VARIANT = os.environ.get("LOGPROB_VARIANT", "triton")
+VARIANT = os.environ.get("LOGPROB_VARIANT", "cublas")
 # Workspace beyond inputs, saved (N,) stats and the returned dh, dW ("Memory" in the docstring):
 # under 2% of the fp32 logits at N = 32k, V = 152k; a larger one rounds dW fewer times.
 WORKSPACE_BYTES = int(os.environ.get("LOGPROB_WORKSPACE_MB", "320")) << 20

@@ -1,6 +1,8 @@
 """common/vllm_engine.py: pure helpers on CPU (CI); the engine itself on a GPU with vLLM (@pytest.mark.gpu)."""
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import types
 from types import SimpleNamespace
@@ -293,7 +295,6 @@ def test_hf_export_loads_in_vllm_with_the_trainers_greedy_tokens(engine_and_mode
     from common.checkpoint import export_hf
     from common.fsdp import FSDPArgs, shard
     from common.models import TokenLogProbs, load_causal_lm
-    from vllm import LLM, SamplingParams
     src = tmp_path / "src"
     _tiny_qwen2(src, seed=3)
     policy = shard(lm := load_causal_lm(str(src), "sdpa"), FSDPArgs(), torch.device("cuda"),
@@ -306,11 +307,25 @@ def test_hf_export_loads_in_vllm_with_the_trainers_greedy_tokens(engine_and_mode
     out = export_hf(policy, None, None, tmp_path / "export", prefix="lm.", dtype=torch.bfloat16)
     engine, _ = engine_and_model
     engine.sleep()  # make room for a second engine
-    llm = LLM(model=str(out), skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.2,
-              max_model_len=128, distributed_executor_backend="external_launcher", enforce_eager=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
-                        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, detokenize=False),
-                        use_tqdm=False)
+    # A fresh process, as a user would load it: a second vLLM engine inside this one (next to the fixture's)
+    # hit an illegal memory access in its first forward on the H200 (vLLM keeps per-process state).
+    script = (
+        "import json, sys\n"
+        "from vllm import LLM, SamplingParams\n"
+        "llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype='bfloat16', gpu_memory_utilization=0.2,\n"
+        "          max_model_len=128, enforce_eager=True)\n"
+        "prompts = json.loads(sys.argv[2])\n"
+        "outs = llm.generate([{'prompt_token_ids': p} for p in prompts], SamplingParams(temperature=0.0, "
+        "max_tokens=int(sys.argv[3]), ignore_eos=True, detokenize=False), use_tqdm=False)\n"
+        "print('GREEDY ' + json.dumps([list(o.outputs[0].token_ids) for o in outs]))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", script, str(out), json.dumps(_prompts()), str(NEW)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    greedy = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("GREEDY "))[len("GREEDY "):])
+    outs = [SimpleNamespace(prompt_token_ids=p, outputs=[SimpleNamespace(token_ids=r)])
+            for p, r in zip(_prompts(), greedy)]
     from common.fsdp import iter_full_params
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -51,7 +51,7 @@ import tyro
 from common import checkpoint as C
 from common import dist as D
 from common.data import load_rows
-from common.fsdp import FSDPArgs, clip_grad_norm, shard
+from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
 from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import shard_microbatches
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
@@ -237,7 +237,7 @@ def evaluate(policy, pairs, ids, ref_table, ref_model, args, d) -> dict:
     lengths = [p.num_tokens for p in pairs]
     for mb_ids in shard_microbatches(lengths, ids, d.world_size, d.rank, args.max_tokens_per_microbatch):
         s += reward_stats(*pair_losses(policy, pairs, mb_ids, ref_table, ref_model, args, d.device))
-    policy.reshard()  # FSDP2 keeps the root unsharded after a forward without backward; stale after the next step
+    reshard(policy)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
     policy.train()
     return stats_metrics(D.all_reduce(s), "eval")
 

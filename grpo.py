@@ -42,7 +42,7 @@ from common import dist as D
 from common.attention import attn_kwargs, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
 from common.flops import PEAK_FLOPS, batch_train_flops, mfu
-from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, shard
+from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, reshard, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
@@ -314,7 +314,7 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
         logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, **attn_kwargs(mb))
         if mb_rows:
             out[mb_rows] = mb.unpack(logp, width)
-    model.reshard()  # FSDP2 leaves the root unsharded after a forward with no backward: free it, never reuse it stale
+    reshard(model)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
     return D.all_reduce(out)[rows]
 
 

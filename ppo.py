@@ -54,7 +54,7 @@ from common import dist as D
 from common.attention import attn_kwargs, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
 from common.flops import PEAK_FLOPS, batch_train_flops, mfu
-from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, shard
+from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, reshard, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
@@ -376,7 +376,7 @@ def sequence_values(critic, prompts, responses, lengths, rows, world, rank, budg
         if mb_rows:
             values[mb_rows] = mb.unpack(v, width)
             last[mb_rows] = v[0, mb.cu_seqlens[1:].long() - 1]  # each sequence's final position
-    critic.reshard()  # as in sequence_logprobs: FSDP2 leaves the root unsharded after a forward with no backward
+    reshard(critic)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
     return D.all_reduce(values)[rows], D.all_reduce(last)[rows]
 
 
@@ -392,7 +392,7 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
         logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, **attn_kwargs(mb))
         if mb_rows:
             out[mb_rows] = mb.unpack(logp, width)
-    model.reshard()  # FSDP2 leaves the root unsharded after a forward with no backward: free it, never reuse it stale
+    reshard(model)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
     return D.all_reduce(out)[rows]
 
 

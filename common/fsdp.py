@@ -5,7 +5,7 @@ from typing import Iterator, Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
@@ -22,6 +22,9 @@ class FSDPArgs:
     """keep sharded params, grads and optimiser state on the CPU between uses (GPU only)"""
     activation_checkpointing: bool = False
     """recompute each decoder layer's activations in backward instead of storing them"""
+    reshard_after_forward: bool = True
+    """free each layer's gathered parameters after its forward and gather them again for backward (less memory);
+    False keeps them until backward: one all-gather per layer and micro-batch instead of two"""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile each decoder layer's forward (fuses the norms, RoPE, SwiGLU and residual adds around the
     matmuls; backward too). auto: on for CUDA, off on CPU (compiling costs more than it saves on small CPU runs).
@@ -54,7 +57,8 @@ def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Modul
     param_dtype = DTYPES[args.param_dtype] if args.param_dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                        reduce_dtype=DTYPES[args.reduce_dtype]))
+                                                        reduce_dtype=DTYPES[args.reduce_dtype]),
+              reshard_after_forward=args.reshard_after_forward)
     if args.cpu_offload:
         if device.type != "cuda":
             raise ValueError("--fsdp.cpu-offload only makes sense on a GPU; drop it on CPU")
@@ -81,6 +85,15 @@ def compile_layers(layers: list[nn.Module]) -> None:
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered (unsharded) parameter of an FSDP2 model. Call after a forward without backward: FSDP2
+    leaves the root, and with reshard_after_forward=False every layer, unsharded, and an optimiser step in
+    between would leave those copies stale (the next forward would use them)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 @torch.no_grad()

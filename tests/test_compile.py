@@ -1,5 +1,6 @@
-"""common/fsdp.py's --fsdp.compile: compiled decoder layers give the eager log-probs and gradients (CPU through
-inductor's C++ backend in CI; CUDA with the varlen kernel and bf16 under -m gpu)."""
+"""common/fsdp.py's options: --fsdp.compile (compiled decoder layers give the eager log-probs and gradients; CPU
+through inductor's C++ backend in CI, CUDA with the varlen kernel and bf16 under -m gpu) and
+--fsdp.reshard-after-forward (no stale gathered parameters after an optimiser step)."""
 import os
 import subprocess
 import sys
@@ -10,13 +11,13 @@ import torch
 from conftest import ROOT
 
 
-def run_driver(model_dir, tmp_path, device: str) -> dict:
+def run_driver(model_dir, tmp_path, device: str, driver: str = "tests/compile_driver.py") -> dict:
     out = tmp_path / "res.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
            "OMP_NUM_THREADS": "2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    p = subprocess.run([sys.executable, "tests/compile_driver.py", str(model_dir), str(out), device], cwd=ROOT,
+    p = subprocess.run([sys.executable, driver, str(model_dir), str(out), device], cwd=ROOT,
                        capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stderr[-4000:]
     return torch.load(out)
@@ -44,3 +45,10 @@ def test_compiled_layers_match_eager(tiny_model_dir, tmp_path):
 def test_compiled_layers_match_eager_cuda(tiny_model_dir, tmp_path):
     """bf16 compute: compiled and eager differ by rounding only (fused kernels keep fp32 intermediates)."""
     check(run_driver(tiny_model_dir, tmp_path, "cuda"), atol=3e-2, rtol=3e-2)
+
+
+def test_no_stale_parameters_without_resharding_after_forward(tiny_model_dir, tmp_path):
+    """With reshard_after_forward=False every layer stays gathered after a no-grad pass; common.fsdp.reshard must
+    free them before the optimiser step, or the next pass would compute with the old weights."""
+    res = run_driver(tiny_model_dir, tmp_path, "cpu", "tests/fsdp_driver.py")
+    torch.testing.assert_close(res[False], res[True], atol=1e-6, rtol=0)

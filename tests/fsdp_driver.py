@@ -1,0 +1,44 @@
+"""No-grad passes between optimiser steps with FSDP2, resharding after forward on or off (world of one, CPU).
+
+    python tests/fsdp_driver.py MODEL_DIR OUT.pt
+
+A no-grad pass (as grpo.py's reference / old log-probs), common.fsdp.reshard, a forward and backward, another
+no-grad pass, reshard, the optimiser step; twice, then a final no-grad pass. Saves the final log-probs for --fsdp.reshard-after-forward on and off: they must be
+equal, i.e. no pass used gathered parameters left over from before an optimiser step.
+"""
+import sys
+
+import torch
+
+from common import dist as D
+from common.fsdp import FSDPArgs, reshard, shard
+from common.models import TokenLogProbs, load_causal_lm
+from common.packing import pack
+
+model_dir, out = sys.argv[1], sys.argv[2]
+d = D.init_distributed("cpu")
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 3, 7)]
+responses = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (4, 6, 2)]
+mb = pack(prompts, responses, [0, 1, 2])
+results = {}
+for raf in (True, False):
+    policy = shard(lm := load_causal_lm(model_dir, "sdpa"), FSDPArgs(reshard_after_forward=raf, compile="off"),
+                   d.device, root=TokenLogProbs(lm, "torch"))
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    for _ in range(2):
+        with torch.no_grad():
+            policy(mb.input_ids, mb.position_ids, mb.targets)
+        reshard(policy)
+        logp, _ = policy(mb.input_ids, mb.position_ids, mb.targets)
+        (-logp.sum()).backward()  # FSDP2 reshards every layer after backward ...
+        with torch.no_grad():  # ... but a no-grad pass before the step (a metric, say) gathers them again
+            policy(mb.input_ids, mb.position_ids, mb.targets)
+        reshard(policy)
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        results[raf] = policy(mb.input_ids, mb.position_ids, mb.targets)[0]
+    reshard(policy)
+torch.save(results, out)
+D.cleanup()

@@ -142,13 +142,7 @@ if HAS_TRITON:
                     GROUP_N: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr):
         """Partial max, sum exp, sum exp * (z - max), target logit: one row block, one V range."""
-        pid = tl.program_id(0)
-        num_rb = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_N * S
-        first_rb = (pid // per_group) * GROUP_N
-        group_rows = tl.minimum(num_rb - first_rb, GROUP_N)
-        rb = first_rb + (pid % per_group) % group_rows
-        split = (pid % per_group) // group_rows
+        rb, split = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), S, GROUP_N)
 
         offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs_n < N
@@ -187,6 +181,25 @@ if HAS_TRITON:
         tl.store(out + 3 * S * N, zt, mask=row_ok)
 
     @triton.jit
+    def _grouped(pid, num_rb, num_cb, GROUP_N: tl.constexpr):
+        """(row block, column block) of program `pid`, launched GROUP_N row blocks x all column blocks at a time,
+        so the h and W tiles in flight fit in L2 (a tiled GEMM's grouped order)."""
+        per_group = GROUP_N * num_cb
+        first_rb = (pid // per_group) * GROUP_N
+        group_rows = tl.minimum(num_rb - first_rb, GROUP_N)
+        return first_rb + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+    @triton.jit
+    def _dlogits_rows(z, offs_n, offs_v, row_ok, col0, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp):
+        """dlogits of a (rows, cols) tile of logits z, with the rows' target, statistics and upstream gradients."""
+        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1) - col0
+        lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
+        ent = tl.load(ent_ptr + offs_n, mask=row_ok, other=0.0)
+        g_lp = tl.load(glp_ptr + offs_n, mask=row_ok, other=0.0)  # zero on ignored rows
+        g_ent = tl.load(gent_ptr + offs_n, mask=row_ok, other=0.0)
+        return _dlogits_math(z, offs_v, tgt, lse, ent, g_lp, g_ent, inv_temp)
+
+    @triton.jit
     def _dlogits_math(z, offs_v, tgt, lse, ent, g_lp, g_ent, inv_temp):
         """dlogits = (g_lp (onehot - p) - g_ent p (log p + H)) / T for a tile of z = logits / T."""
         logp = z - lse[:, None]
@@ -203,14 +216,7 @@ if HAS_TRITON:
                         GROUP_N: tl.constexpr, EVEN_K: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         """One (BLOCK_N, BLOCK_V) tile of dlogits, the logits recomputed (w_ptr: rows col0.. of W)."""
-        pid = tl.program_id(0)
-        num_rb = tl.cdiv(N, BLOCK_N)
-        num_vb = tl.cdiv(V, BLOCK_V)
-        per_group = GROUP_N * num_vb
-        first_rb = (pid // per_group) * GROUP_N
-        group_rows = tl.minimum(num_rb - first_rb, GROUP_N)
-        rb = first_rb + (pid % per_group) % group_rows
-        vb = (pid % per_group) // group_rows
+        rb, vb = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
 
         offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -219,12 +225,7 @@ if HAS_TRITON:
         z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v, row_ok, col_ok, H, stride_hn, stride_hh,
                          stride_wv, stride_wh, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
                          INPUT_PRECISION, UPCAST)
-        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1) - col0
-        lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
-        ent = tl.load(ent_ptr + offs_n, mask=row_ok, other=0.0)
-        g_lp = tl.load(glp_ptr + offs_n, mask=row_ok, other=0.0)  # zero on ignored rows
-        g_ent = tl.load(gent_ptr + offs_n, mask=row_ok, other=0.0)
-        d = _dlogits_math(z, offs_v, tgt, lse, ent, g_lp, g_ent, inv_temp)
+        d = _dlogits_rows(z, offs_n, offs_v, row_ok, col0, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp)
         dl_ptrs = dl_ptr + offs_n[:, None].to(tl.int64) * stride_dn + offs_v[None, :]
         tl.store(dl_ptrs, d.to(dl_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -274,12 +275,7 @@ if HAS_TRITON:
         ok = row_ok[:, None] & (offs_v < ncols)[None, :]
         rows64 = offs_n[:, None].to(tl.int64)
         z = tl.load(z_ptr + rows64 * stride_z + offs_v[None, :], mask=ok, other=0.0) * inv_temp
-        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1) - col0
-        lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
-        ent = tl.load(ent_ptr + offs_n, mask=row_ok, other=0.0)
-        g_lp = tl.load(glp_ptr + offs_n, mask=row_ok, other=0.0)  # zero on ignored rows
-        g_ent = tl.load(gent_ptr + offs_n, mask=row_ok, other=0.0)
-        d = _dlogits_math(z, offs_v, tgt, lse, ent, g_lp, g_ent, inv_temp)
+        d = _dlogits_rows(z, offs_n, offs_v, row_ok, col0, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp)
         tl.store(dl_ptr + rows64 * stride_d + offs_v[None, :], d.to(dl_ptr.dtype.element_ty),
                  mask=ok)
 

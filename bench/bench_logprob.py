@@ -113,7 +113,7 @@ def bench_matmuls(h, w, rep):
     with torch.no_grad():
         fwd = do_bench(lambda: h @ w.t(), warmup=50, rep=rep, return_mode="median")
         bwd = do_bench(lambda: (dl @ w, dl.t() @ h), warmup=50, rep=rep, return_mode="median")
-    del dl
+    dl = None  # (N, V) freed before empty_cache
     torch.cuda.empty_cache()
     return {"name": "matmul", "fwd_ms": fwd, "fwd_bwd_ms": fwd + bwd}
 

@@ -59,6 +59,12 @@ def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Modul
     kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
                                                         reduce_dtype=DTYPES[args.reduce_dtype]),
               reshard_after_forward=args.reshard_after_forward)
+    if not any(p.requires_grad for p in model.parameters()):
+        # A frozen model (the reference) has no optimiser, so no reason for fp32 master weights: store them in the
+        # dtype the forward computes in (the same values mixed precision would cast to; half the memory in bf16).
+        # Parameters only: buffers such as RoPE's inv_freq stay as they are, as they do for the policy.
+        for p in model.parameters():
+            p.data = p.data.to(param_dtype)
     if args.cpu_offload:
         if device.type != "cuda":
             raise ValueError("--fsdp.cpu-offload only makes sense on a GPU; drop it on CPU")

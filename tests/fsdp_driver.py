@@ -40,5 +40,18 @@ for raf in (True, False):
     with torch.no_grad():
         results[raf] = policy(mb.input_ids, mb.position_ids, mb.targets)[0]
     reshard(policy)
+# A frozen model (the reference) is stored in the compute dtype: same log-probs as fp32 master weights cast by
+# mixed precision, half the bytes.
+frozen = {}
+for store in ("float32", "bfloat16"):
+    lm = load_causal_lm(model_dir, "sdpa", trainable=False)
+    if store == "float32":  # what mixed precision does for a trainable model: fp32 storage, bf16 compute
+        lm.requires_grad_(True)
+    ref = shard(lm, FSDPArgs(param_dtype="bfloat16", compile="off"), d.device, root=TokenLogProbs(lm, "torch"))
+    with torch.no_grad():
+        frozen[store] = ref(mb.input_ids, mb.position_ids, mb.targets)[0]
+    frozen[store + "_param_dtypes"] = sorted({str(p.dtype) for p in ref.parameters()})
+    frozen[store + "_buffer_dtypes"] = sorted({str(b.dtype) for b in ref.buffers() if b.is_floating_point()})
+results["frozen"] = frozen
 torch.save(results, out)
 D.cleanup()

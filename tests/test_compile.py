@@ -52,3 +52,13 @@ def test_no_stale_parameters_without_resharding_after_forward(tiny_model_dir, tm
     free them before the optimiser step, or the next pass would compute with the old weights."""
     res = run_driver(tiny_model_dir, tmp_path, "cpu", "tests/fsdp_driver.py")
     torch.testing.assert_close(res[False], res[True], atol=1e-6, rtol=0)
+
+
+def test_frozen_reference_stored_in_compute_dtype(tiny_model_dir, tmp_path):
+    """shard() keeps a frozen model's parameters in the forward's dtype (no fp32 master copy): same log-probs as
+    fp32 storage cast by mixed precision; buffers (RoPE's inv_freq) keep their dtype."""
+    frozen = run_driver(tiny_model_dir, tmp_path, "cpu", "tests/fsdp_driver.py")["frozen"]
+    assert frozen["bfloat16_param_dtypes"] == ["torch.bfloat16"]
+    assert frozen["float32_param_dtypes"] == ["torch.float32"]
+    assert frozen["bfloat16_buffer_dtypes"] == frozen["float32_buffer_dtypes"] == ["torch.float32"]
+    torch.testing.assert_close(frozen["bfloat16"], frozen["float32"], atol=0, rtol=0)

@@ -4,15 +4,19 @@
 # carried one piece per call:
 #   bash bench/gpu_session.sh stage .gpu-site/part-00          # call 1
 #   bash bench/gpu_session.sh stage .gpu-site/part-01 site     # call 2: unpack vLLM & co into /tmp/site
-#   bash bench/gpu_session.sh start                            # same call as site: data, start the job queues
+#   bash bench/gpu_session.sh start bench/queues/next.txt      # same call as site: data, start the job queue
+#     (bench/gpu_queue.py: jobs start when their GPUs are free, in file order; the file is re-read before every
+#      launch, so edit it locally and any later call carries the new version: reorder, add, delete waiting jobs)
 #   bash bench/gpu_session.sh stage .gpu-model/part-00         # (learning runs only) SmolLM2, two more calls
 #   bash bench/gpu_session.sh stage .gpu-model/part-01 model
 #   bash bench/gpu_session.sh poll SECONDS                     # later calls: wait, then report and copy logs
 # .gpu-assets/ (ignored, carried with the site and model pieces) holds what ../shared would give: the Qwen2.5 tokenizer
 # tarball, gsm8k_{train,test}.jsonl.xz, hh_test.jsonl.gz (../shared/data) and whl/ with trl 1.16.0 + liger-kernel
 # 0.8.5 wheels (pip download --no-deps). Several torchruns on one machine need distinct ports (PET_MASTER_PORT).
+# The site piece, the tree and all of .gpu-assets exceed the 64 MiB carry limit: carry the piece plus only the
+# assets the queue needs (e.g. .gpu-assets/qwen2.5-tokenizer.tar.xz, .gpu-assets/gsm8k_train.jsonl.xz, .gpu-assets/whl).
 # Jobs run detached (setsid) so they outlive a call; each writes /tmp/logs/<job>.log and appends to
-# /tmp/logs/status. GPU 0 and GPU 1 each run a queue; the 2-GPU scaling run goes last, when both are free.
+# /tmp/logs/status. Keep a `poll` call going: the machine is released 30 s after a call ends, jobs or not.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \
@@ -57,35 +61,14 @@ stage)
     echo "SmolLM2 folder: $SMOL"; echo "$SMOL" > /tmp/smol_path
   fi
   ;;
-start)  # after `stage ... site`: data, then the job queues of this session (edit them per session)
+start)  # after `stage ... site`: data, then the job queue of this session: start QUEUE_FILE (bench/queues/)
   mkdir -p /tmp/data/gsm8k /tmp/data/hh
-  xz -dc $A/gsm8k_train.jsonl.xz > /tmp/data/gsm8k/train.jsonl; xz -dc $A/gsm8k_test.jsonl.xz > /tmp/data/gsm8k/test.jsonl
-  cp $A/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
-  W05="python3 bench/w05.py --tokenizer-tar $A/qwen2.5-tokenizer.tar.xz --gsm8k /tmp/data/gsm8k/train.jsonl --work-dir /tmp/w05"
-  # the kernel bench (PYTHONPATH=/tmp/peers:$PYTHONPATH python3 bench/bench_logprob.py --variants triton,cublas
-  # --budgets-mb 320,2048 --profile) ran in the first, cut-short session 2 call; only its GPU tests here
-  KERNEL=${KERNEL_CMD:-"LOGPROB_TUNE=0 timeout 200 python3 -m pytest -m gpu tests/test_kernels.py -q -rf -p no:cacheprovider"}
-  # GPU 0: correctness, then W05 (our loop + standalone vLLM, profile of step 2)
-  setsid bash -c "
-    $(declare -f job); L=$L
-    job gpu-tests 0 'QWEN_TOKENIZER_TAR=$A/qwen2.5-tokenizer.tar.xz python3 -m pytest -m gpu tests/test_vllm_engine.py tests/test_packing.py tests/test_compile.py -q -rf -p no:cacheprovider'
-    job w05-1gpu 0 'OUT=$L/w05-1 $W05 --nproc 1 --num-steps 4 --only grpo,standalone --grpo-extra=\"--profile-step 2\"'
-    touch $L/gpu0.done
-  " > /dev/null 2>&1 < /dev/null &
-  # GPU 1: the log-prob kernel's GPU tests, then W05 with activation checkpointing, then with CPU offload;
-  # then, with both GPUs: W05 data-parallel on 2 GPUs, W05 with one TP=2 engine, W7B-2
-  setsid bash -c "
-    $(declare -f job); L=$L
-    job kernel 1 '$KERNEL'
-    job w05-ckpt 1 'OUT=$L/w05-ckpt $W05 --nproc 1 --num-steps 3 --only grpo --grpo-extra=--fsdp.activation-checkpointing'
-    job w05-offload 1 'OUT=$L/w05-offload $W05 --nproc 1 --num-steps 3 --only grpo --grpo-extra=--fsdp.cpu-offload'
-    touch $L/gpu1.done
-    while [ ! -f $L/gpu0.done ]; do sleep 2; done
-    job w05-2gpu 0,1 'OUT=$L/w05-2 $W05 --nproc 2 --num-steps 3 --only grpo'
-    job w05-2gpu-tp2 0,1 'OUT=$L/w05-2tp $W05 --nproc 2 --num-steps 3 --only grpo --grpo-extra=\"--vllm.tensor-parallel-size 2\"'
-    job w7b-2 0,1 'OUT=$L/w7b bash bench/w7b.sh --tokenizer-tar $A/qwen2.5-tokenizer.tar.xz --gsm8k /tmp/data/gsm8k/train.jsonl --work-dir /tmp/w05 --only grpo --num-steps 3'
-    touch $L/all.done
-  " > /dev/null 2>&1 < /dev/null &
+  [ -f $A/gsm8k_train.jsonl.xz ] && xz -dc $A/gsm8k_train.jsonl.xz > /tmp/data/gsm8k/train.jsonl
+  [ -f $A/gsm8k_test.jsonl.xz ] && xz -dc $A/gsm8k_test.jsonl.xz > /tmp/data/gsm8k/test.jsonl
+  [ -f $A/hh_test.jsonl.gz ] && cp $A/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
+  # what queue lines may use: $A (assets), $W05 (the W05 bench with its data), $L (logs)
+  export A L W05="python3 bench/w05.py --tokenizer-tar $A/qwen2.5-tokenizer.tar.xz --gsm8k /tmp/data/gsm8k/train.jsonl --work-dir /tmp/w05"
+  setsid python3 bench/gpu_queue.py "${2:-bench/queues/next.txt}" > $L/queue.out 2>&1 < /dev/null &
   sleep 15; report
   ;;
 extra)  # extra NAME GPUS CMD: one more detached job now

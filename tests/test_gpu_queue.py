@@ -1,0 +1,42 @@
+"""bench/gpu_queue.py: the GPU session's job queue (pure scheduling rule, and a run with `sleep` jobs on CPU)."""
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+from gpu_queue import read_queue, runnable  # noqa: E402
+
+
+def test_runnable_keeps_file_order_per_gpu():
+    jobs = [("a", frozenset("0"), "x"), ("both", frozenset({"0", "1"}), "x"), ("b", frozenset("1"), "x")]
+    assert [j[0] for j in runnable(jobs, set(), set())] == ["a"]  # "b" must not overtake "both" on GPU 1
+    assert runnable(jobs, {"a"}, {"0"}) == []  # "both" waits for GPU 0; "b" still may not pass it
+    assert [j[0] for j in runnable(jobs, {"a"}, set())] == ["both"]
+    assert [j[0] for j in runnable(jobs, {"a", "both"}, set())] == ["b"]
+
+
+def test_read_queue_skips_comments_and_reports_bad_lines(tmp_path, capsys):
+    q = tmp_path / "q.txt"
+    q.write_text("# a comment\n\njob1 0 echo hi # not a comment here\nbroken\njob2 0,1 sleep 1\n")
+    jobs = read_queue(q)
+    assert [(n, sorted(g), c) for n, g, c in jobs] == [("job1", ["0"], "echo hi # not a comment here"),
+                                                        ("job2", ["0", "1"], "sleep 1")]
+    assert "q.txt:4" in capsys.readouterr().out
+
+
+def test_queue_runs_jobs_on_their_gpus_in_order(tmp_path):
+    q = tmp_path / "q.txt"
+    q.write_text("g0 0 sleep 0.3; echo $CUDA_VISIBLE_DEVICES\n"
+                 "g1 1 echo $CUDA_VISIBLE_DEVICES; exit 3\n"
+                 "both 0,1 echo $CUDA_VISIBLE_DEVICES\n")
+    env = {**os.environ, "QUEUE_LOGS": str(tmp_path / "logs")}
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_queue.py"), str(q)], env=env, check=True, timeout=60)
+    logs = tmp_path / "logs"
+    assert (logs / "g0.log").read_text().strip() == "0"
+    assert (logs / "both.log").read_text().strip() == "0,1"
+    status = [line.split(" ", 1)[1] for line in (logs / "status").read_text().splitlines()]
+    assert "end g1 rc=3" in status  # a failing job is recorded and does not stop the queue
+    assert status.index("start both (gpu 0,1)") > max(status.index("end g0 rc=0"), status.index("end g1 rc=3"))
+    assert status[-1] == "queue done" and (logs / "all.done").exists()

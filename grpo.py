@@ -311,9 +311,9 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
     out = torch.zeros(len(prompts), width, device=device)
     for mb_rows in shard_microbatches(lengths, rows, world, rank, budget):
         mb = pack(prompts, responses, mb_rows).to(device)
-        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, **attn_kwargs(mb))
+        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, scored=mb.pos, **attn_kwargs(mb))
         if mb_rows:
-            out[mb_rows] = mb.unpack(logp, width)
+            out[mb.index] = mb.unpack(logp, width)
     reshard(model)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
     return D.all_reduce(out)[rows]
 
@@ -542,15 +542,16 @@ def main(args: Args) -> None:
                         mb = pack(prompts, responses, mb_rows).to(d.device)
                         policy.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per mini-batch
                         logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature,
-                                               **attn_kwargs(mb))
+                                               scored=mb.pos, **attn_kwargs(mb))
                         if not mb_rows:  # padding micro-batch: the same FSDP calls as the busier ranks, no gradient
                             (logp.sum() * 0.0).backward()
                             continue
                         logp, entropy = mb.unpack(logp, width), mb.unpack(entropy, width)  # (b, T)
                         loss, mb_stats = policy_loss(
-                            logp, entropy, mask[mb_rows], adv[mb_rows],
-                            old_logp[mb_rows] if old_logp is not None else logp.detach(),
-                            ref_logp[mb_rows] if ref_logp is not None else None, engine_logp[mb_rows], args, normaliser)
+                            logp, entropy, mask[mb.index], adv[mb.index],
+                            old_logp[mb.index] if old_logp is not None else logp.detach(),
+                            ref_logp[mb.index] if ref_logp is not None else None, engine_logp[mb.index], args,
+                            normaliser)
                         # FSDP averages gradients over ranks; the normaliser already covers every rank, so undo it.
                         (loss * d.world_size).backward()
                         mb_loss += loss.detach()

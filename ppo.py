@@ -374,8 +374,8 @@ def sequence_values(critic, prompts, responses, lengths, rows, world, rank, budg
         mb = pack(prompts, responses, mb_rows).to(device)
         v = critic(mb.input_ids, mb.position_ids, **attn_kwargs(mb))
         if mb_rows:
-            values[mb_rows] = mb.unpack(v, width)
-            last[mb_rows] = v[0, mb.cu_seqlens[1:].long() - 1]  # each sequence's final position
+            values[mb.index] = mb.unpack(v, width)
+            last[mb.index] = v[0, mb.cu_seqlens[1:].long() - 1]  # each sequence's final position
     reshard(critic)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
     return D.all_reduce(values)[rows], D.all_reduce(last)[rows]
 
@@ -389,9 +389,9 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
     out = torch.zeros(len(prompts), width, device=device)
     for mb_rows in shard_microbatches(lengths, rows, world, rank, budget):
         mb = pack(prompts, responses, mb_rows).to(device)
-        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, **attn_kwargs(mb))
+        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, scored=mb.pos, **attn_kwargs(mb))
         if mb_rows:
-            out[mb_rows] = mb.unpack(logp, width)
+            out[mb.index] = mb.unpack(logp, width)
     reshard(model)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
     return D.all_reduce(out)[rows]
 
@@ -639,26 +639,27 @@ def main(args: Args) -> None:
                         policy.set_requires_gradient_sync(i == len(micro) - 1)  # reduce-scatter once per mini-batch
                         critic.set_requires_gradient_sync(i == len(micro) - 1)
                         logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature,
-                                               **attn_kwargs(mb))
+                                               scored=mb.pos, **attn_kwargs(mb))
                         v = critic(mb.input_ids, mb.position_ids, **attn_kwargs(mb))
                         if not mb_rows:  # padding micro-batch: the same FSDP calls as the busier ranks, no gradient
                             (logp.sum() * 0.0 + v.sum() * 0.0).backward()
                             continue
                         logp, entropy, v = (mb.unpack(x, width) for x in (logp, entropy, v))  # (b, T)
-                        m = mask[mb_rows]  # (b, T)
-                        old = old_logp[mb_rows]
+                        idx = mb.index  # (b,) this micro-batch's rows, on the device
+                        m = mask[idx]  # (b, T)
+                        old = old_logp[idx]
                         # per-token advantages: every token is a row of one for the surrogate shared with grpo.py
                         loss_tok, clipped = (x.view_as(m) for x in clipped_pg_loss(
-                            logp.reshape(-1, 1), old.reshape(-1, 1), adv[mb_rows].flatten(), args.clip_eps_low,
+                            logp.reshape(-1, 1), old.reshape(-1, 1), adv[idx].flatten(), args.clip_eps_low,
                             args.clip_eps_high))  # (b, T)
-                        has_engine_logp = engine_logp[mb_rows].ne(0)
+                        has_engine_logp = engine_logp[idx].ne(0)
                         if args.tis_cap > 0:  # truncated IS: correct for the engine sampling from a slightly other pi
-                            w = torch.exp(old - engine_logp[mb_rows]).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
+                            w = torch.exp(old - engine_logp[idx]).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
                             loss_tok = loss_tok * w
                             stats["tis_w"] += (w * m).sum().detach()
                         if args.entropy_coef:
                             loss_tok = loss_tok - args.entropy_coef * entropy
-                        vf_tok, vf_clipped = clipped_value_loss(v, old_values[mb_rows], returns[mb_rows], args.vf_clip)
+                        vf_tok, vf_clipped = clipped_value_loss(v, old_values[idx], returns[idx], args.vf_clip)
                         # FSDP averages gradients over ranks; the normaliser already covers every rank, so undo it.
                         pg_loss = aggregate_loss(loss_tok, m, args.loss_agg, normaliser) * d.world_size
                         vf_loss = aggregate_loss(vf_tok, m, args.loss_agg, normaliser) * d.world_size
@@ -674,7 +675,7 @@ def main(args: Args) -> None:
                             stats["approx_kl"] += (kl_penalty(logp, old, "k3") * m).sum()  # KL(pi_old || pi), k3
                             stats["tokens"] += m.sum()
                             if epoch == 0:  # vLLM-vs-trainer log-prob gap on the sampled tokens, before any update
-                                gap = ((old - engine_logp[mb_rows]).abs() * m).where(has_engine_logp, 0.0)
+                                gap = ((old - engine_logp[idx]).abs() * m).where(has_engine_logp, 0.0)
                                 stats["gap_sum"] += gap.sum()
                                 stats["gap_max"] = torch.maximum(stats["gap_max"], gap.max() if gap.numel() else 0)
                     critic_grad_norms.append(clip_grad_norm(critic, args.max_grad_norm))

@@ -126,14 +126,16 @@ class TokenLogProbs(nn.Module):
         super().__init__()
         self.lm, self.impl = lm, impl
 
-    def forward(self, input_ids, position_ids, targets, temperature: float = 1.0, **attn_kwargs):
+    def forward(self, input_ids, position_ids, targets, temperature: float = 1.0, scored=None, **attn_kwargs):
         # input_ids, position_ids, targets: (1, T) packed; attention_mask=None + position_ids marks the packing.
+        # scored: (N,) ascending positions whose target is not -100 (MicroBatch.pos), if the caller has them: finding
+        # them here (nonzero) makes the CPU wait for the GPU.
         base = getattr(self.lm, self.lm.base_model_prefix)
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                       **attn_kwargs).last_hidden_state  # (1, T, H)
         weight = self.lm.get_output_embeddings().weight  # (V, H)
         flat = targets.flatten()  # (T,)
-        sel = (flat != -100).nonzero().squeeze(1)  # only positions that predict a scored token reach the LM head
+        sel = (flat != -100).nonzero().squeeze(1) if scored is None else scored  # only those reach the LM head
         logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
         scatter = lambda x: x.new_zeros(targets.shape).index_put((torch.zeros_like(sel), sel), x)  # (1, T)
         return scatter(logp), scatter(entropy)

@@ -19,14 +19,20 @@ class MicroBatch:
     rows: list[int]             # which sequences of the caller's batch are in this micro-batch
     row: torch.Tensor           # (N_resp,) index into `rows` of each response token
     col: torch.Tensor           # (N_resp,) position of each response token within its response
-    pos: torch.Tensor           # (N_resp,) position in the packed row that predicts it
+    pos: torch.Tensor           # (N_resp,) position in the packed row that predicts it (ascending)
+    index: torch.Tensor         # (len(rows),) `rows` as a tensor: selects this micro-batch's rows on the device
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
 
     def to(self, device):
-        return MicroBatch(*(getattr(self, f).to(device) if isinstance(getattr(self, f), torch.Tensor)
+        """On a GPU the copies go from pinned memory without blocking: a plain copy from pageable memory waits for
+        the GPU to drain, which at every micro-batch would leave it idle while Python packs and launches."""
+        device = torch.device(device)
+        move = (lambda t: t.pin_memory().to(device, non_blocking=True)) if device.type == "cuda" else \
+            (lambda t: t.to(device))
+        return MicroBatch(*(move(getattr(self, f)) if isinstance(getattr(self, f), torch.Tensor)
                             else getattr(self, f) for f in self.__dataclass_fields__))
 
     def unpack(self, values: torch.Tensor, width: int) -> torch.Tensor:
@@ -72,7 +78,7 @@ def pack(prompts: list[list[int]], responses: list[list[int]], rows: list[int]) 
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     long = lambda x: torch.tensor(x, dtype=torch.long)
     return MicroBatch(long(ids)[None], long(pos_ids)[None], long(tgt)[None], torch.tensor(cu, dtype=torch.int32),
-                      max(lens), list(rows), long(row), long(col), long(pos))
+                      max(lens), list(rows), long(row), long(col), long(pos), long(list(rows)))
 
 
 def plan_microbatches(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:

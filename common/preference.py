@@ -134,7 +134,7 @@ def pack_pairs(pairs: list[Pair], ids: list[int]) -> MicroBatch:
 
 def response_logp_sums(model, mb: MicroBatch) -> torch.Tensor:
     """Sum of log pi(token) over each response of a packed micro-batch -> (n_pairs, 2) [chosen, rejected]."""
-    logp, _ = model(mb.input_ids, mb.position_ids, mb.targets)  # (1, T), 0 off the responses
+    logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, scored=mb.pos)  # (1, T), 0 off the responses
     sums = logp.new_zeros(len(mb.rows)).index_add(0, mb.row, logp[0, mb.pos])  # (2 n_pairs,)
     return sums.view(-1, 2)
 

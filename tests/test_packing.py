@@ -40,6 +40,19 @@ def test_packed_logprobs_equal_unpacked(tiny_model_dir, attn, with_kwargs):
             assert packed[i, len(RESPONSES[i]):].abs().sum() == 0
 
 
+def test_scored_positions_given_or_found_agree(tiny_model_dir):
+    """TokenLogProbs(scored=mb.pos) (no device sync) equals finding the scored positions from the targets."""
+    model = TokenLogProbs(load_causal_lm(str(tiny_model_dir), "sdpa", trainable=False), impl="torch")
+    mb = pack(PROMPTS, RESPONSES, [2, 0, 1])
+    assert mb.index.tolist() == [2, 0, 1]
+    assert mb.pos.tolist() == (mb.targets[0] != -100).nonzero().flatten().tolist()
+    with torch.no_grad():
+        found = model(mb.input_ids, mb.position_ids, mb.targets)
+        given = model(mb.input_ids, mb.position_ids, mb.targets, scored=mb.pos)
+    for a, b in zip(found, given):
+        assert torch.equal(a, b)
+
+
 def test_varlen_gradients_match_sdpa(tiny_model_dir):
     """Same loss, same gradients through the packed varlen path and the packed sdpa path."""
     name = register_varlen_attention()

@@ -184,7 +184,9 @@ def grpo_summary(metrics: Path) -> dict:
     """Medians over the warm steps (all but step 0) of every perf/ key in grpo.py's metrics.jsonl."""
     rows = [json.loads(line) for line in metrics.open()] if metrics.exists() else []
     rows = [r for r in rows if "perf/step_s" in r]
-    warm = [r for r in rows if r["step"] > 0] or rows
+    config = metrics.with_name("config.json")
+    profiled = json.loads(config.read_text()).get("profile_step", -1) if config.exists() else -1
+    warm = [r for r in rows if r["step"] > 0 and r["step"] != profiled] or rows  # the profiler slows its step
     keys = sorted({k for r in warm for k in r if k.startswith("perf/")})
     s = {k[len("perf/"):]: statistics.median(r[k] for r in warm if k in r) for k in keys}
     s["steps"] = [round(r["perf/step_s"], 2) for r in rows]

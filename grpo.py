@@ -39,10 +39,10 @@ import tyro
 
 from common import checkpoint as C
 from common import dist as D
-from common.attention import attn_kwargs, register_varlen_attention
+from common.attention import attn_kwargs, describe, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
 from common.flops import PEAK_FLOPS, batch_train_flops, mfu
-from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, reshard, shard
+from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, reshard, resolve_unit, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
@@ -148,6 +148,9 @@ class Args:
     """reward added to truncated completions with --overlong penalty"""
     tis_cap: float = 0.0
     """truncated importance sampling: weight each token by min(pi_old / pi_engine, cap) (0: off; docs/vllm.md)"""
+    engine_logprobs: bool = True
+    """ask the rollout engine for each sampled token's log-prob: the engine-vs-trainer gap metrics
+    (rollout/logprob_gap_*) and --tis-cap need them; --no-engine-logprobs spares the engine that bookkeeping"""
     lr: float = 1e-6
     """AdamW learning rate"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -169,6 +172,9 @@ class Args:
     """passes over each rollout"""
     max_tokens_per_microbatch: int = 4096
     """token budget of one packed forward/backward per rank (gradient accumulation follows from it)"""
+    max_tokens_per_forward: int = 0
+    """token budget of one packed forward without gradient (reference and old log-probs); 0: 4 x
+    --max-tokens-per-microbatch (nothing is kept for a backward, so larger passes fit: fewer launches per token)"""
     # ---- infrastructure ----------------------------------------------------------------------------------
     rollout: Literal["auto", "hf", "vllm"] = "auto"
     """rollout engine: vllm (GPU), hf (transformers generate; CPU/debugging), auto = vllm when a GPU is visible"""
@@ -184,8 +190,9 @@ class Args:
     ignore_eos: bool = False
     """generate exactly --max-new-tokens (benchmarks)"""
     profile_step: int = -1
-    """profile the learning phases (reference / old log-probs, update) of this step with torch.profiler: top
-    kernels printed and written to <run>/profile_step<k>.txt, Chrome trace beside it (-1: off)"""
+    """profile this step with torch.profiler: the generate phase (top kernels to <run>/profile_step<k>_generate.txt)
+    and the learning phases (reference / old log-probs, update: <run>/profile_step<k>.txt, Chrome trace beside
+    it); the tables are printed too (-1: off)"""
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
 
@@ -200,6 +207,10 @@ class Args:
     @property
     def sequences_per_minibatch(self) -> int:
         return self.sequences_per_step // self.num_minibatches
+
+    @property
+    def forward_token_budget(self) -> int:
+        return self.max_tokens_per_forward or 4 * self.max_tokens_per_microbatch
 
     @property
     def recompute_old_logp(self) -> bool:
@@ -324,7 +335,7 @@ def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed
     with timed(perf, "generate"):
         rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
                                   top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
-                                  stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
+                                  stop_token_ids=stop_ids, ignore_eos=args.ignore_eos, logprobs=args.engine_logprobs)
     with timed(perf, "score"):
         texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
         prompts = [e.prompt_text for e in examples for _ in range(n)]
@@ -364,6 +375,9 @@ def main(args: Args) -> None:
     if args.sequences_per_step % args.num_minibatches or args.sequences_per_minibatch < d.world_size:
         raise ValueError(f"--num-minibatches {args.num_minibatches} must divide the {args.sequences_per_step} "
                          f"sequences per step into mini-batches of at least {d.world_size} (one per rank)")
+    if args.tis_cap > 0 and not args.engine_logprobs:
+        raise ValueError("--tis-cap weighs tokens by pi_old / pi_engine, which needs the engine's log-probs: drop "
+                         "--no-engine-logprobs (or set --tis-cap 0)")
     if not args.temperature > 0:
         raise ValueError(f"--temperature {args.temperature}: training samples and scores log-probs at this temperature, "
                          "so it must be > 0 (evaluation is already greedy)")
@@ -371,6 +385,9 @@ def main(args: Args) -> None:
         raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
                          f"sequence (--max-prompt-tokens + --max-new-tokens = "
                          f"{args.max_prompt_tokens + args.max_new_tokens}); raise it")
+    if args.forward_token_budget < args.max_prompt_tokens + args.max_new_tokens:
+        raise ValueError(f"--max-tokens-per-forward {args.max_tokens_per_forward} is smaller than one sequence "
+                         f"({args.max_prompt_tokens + args.max_new_tokens} tokens); raise it, or 0 for the default")
     run_dir = Path(args.out_dir) / args.exp_name
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
@@ -433,6 +450,9 @@ def main(args: Args) -> None:
         "optimiser steps / rollout": args.optimizer_steps_per_rollout,
         "sequences / mini-batch / rank": seqs_per_rank_mb,
         "micro-batch token budget": args.max_tokens_per_microbatch,
+        "no-grad forward token budget": args.forward_token_budget,
+        "FSDP unit": resolve_unit(args.fsdp, d.world_size),
+        "trainer attention": describe(d.device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
         "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.max_new_tokens)
                                                     / args.max_tokens_per_microbatch),
         "old log-prob pass": "yes" if args.recompute_old_logp else "no (one step per rollout)",
@@ -452,7 +472,7 @@ def main(args: Args) -> None:
         # ---- 4 (of the previous step). sync: wake the engine's weights, refit them from the shards, wake the KV cache
         with timed(perf, "wake_weights"):
             engine.wake(["weights"])
-        if engine_stale:
+        if engine_stale or engine.weights_discarded:  # trained since the last refit, or a level-2 sleep
             with timed(perf, "refit"):
                 engine.load_weights(iter_full_params(policy, prefix="lm."))
         with timed(perf, "wake_kv"):
@@ -470,9 +490,11 @@ def main(args: Args) -> None:
 
         # ---- 1. generate ------------------------------------------------------------------------------------
         batch = sampler.next_batch()  # this rank's P / world prompts
+        prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}_generate", trace=False)
         rollout, texts, prompt_texts, answers, res = generate_and_score(
             engine, batch, G, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
             args.temperature, perf)
+        prof.stop(d.is_main)  # the generate phase alone: its kernel time against its wall time (no trace: too big)
         with timed(perf, "sleep"):
             engine.sleep()  # hand the memory to training
         if res.first_error:
@@ -517,13 +539,13 @@ def main(args: Args) -> None:
             with timed(perf, "ref_logp"):
                 ref_logp = torch.zeros(B, width, device=d.device)
                 ref_logp[rows_all] = sequence_logprobs(ref, prompts, responses, lengths, rows_all, d.world_size,
-                                                       d.rank, args.max_tokens_per_microbatch, args.temperature,
+                                                       d.rank, args.forward_token_budget, args.temperature,
                                                        width, d.device)
         if args.recompute_old_logp and rows_all:
             with timed(perf, "old_logp"):
                 old_logp = torch.zeros(B, width, device=d.device)
                 old_logp[rows_all] = sequence_logprobs(policy, prompts, responses, lengths, rows_all, d.world_size,
-                                                       d.rank, args.max_tokens_per_microbatch, args.temperature,
+                                                       d.rank, args.forward_token_budget, args.temperature,
                                                        width, d.device)
         stats = {k: torch.zeros((), device=d.device) for k in  # sums over tokens (and epochs), except gap_max
                  ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "gap_max", "tis_w")}

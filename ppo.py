@@ -51,10 +51,10 @@ from torch import nn
 
 from common import checkpoint as C
 from common import dist as D
-from common.attention import attn_kwargs, register_varlen_attention
+from common.attention import attn_kwargs, describe, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
 from common.flops import PEAK_FLOPS, batch_train_flops, mfu
-from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, reshard, shard
+from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, reshard, resolve_unit, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
@@ -168,6 +168,9 @@ class Args:
     """token-mean | seq-mean-token-sum (/ max_new_tokens) | seq-mean-token-mean (each sequence's mean first)"""
     tis_cap: float = 0.0
     """truncated importance sampling: weight each token by min(pi_old / pi_engine, cap) (0: off; docs/vllm.md)"""
+    engine_logprobs: bool = True
+    """ask the rollout engine for each sampled token's log-prob: the engine-vs-trainer gap metrics
+    (rollout/logprob_gap_*) and --tis-cap need them; --no-engine-logprobs spares the engine that bookkeeping"""
     lr: float = 1e-6
     """AdamW learning rate"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -193,6 +196,9 @@ class Args:
     """passes over each rollout"""
     max_tokens_per_microbatch: int = 4096
     """token budget of one packed forward/backward per rank (gradient accumulation follows from it)"""
+    max_tokens_per_forward: int = 0
+    """token budget of one packed forward without gradient (reference and old log-probs, old values); 0: 4 x
+    --max-tokens-per-microbatch (nothing is kept for a backward, so larger passes fit: fewer launches per token)"""
     # ---- infrastructure ----------------------------------------------------------------------------------
     rollout: Literal["auto", "hf", "vllm"] = "auto"
     """rollout engine: vllm (GPU), hf (transformers generate; CPU/debugging), auto = vllm when a GPU is visible"""
@@ -217,6 +223,10 @@ class Args:
     @property
     def optimizer_steps_per_rollout(self) -> int:
         return self.num_minibatches * self.num_epochs
+
+    @property
+    def forward_token_budget(self) -> int:
+        return self.max_tokens_per_forward or 4 * self.max_tokens_per_microbatch
 
     @property
     def sequences_per_minibatch(self) -> int:
@@ -403,7 +413,7 @@ def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed
     with timed(perf, "generate"):
         rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
                                   top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
-                                  stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
+                                  stop_token_ids=stop_ids, ignore_eos=args.ignore_eos, logprobs=args.engine_logprobs)
     with timed(perf, "score"):
         texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
         prompts = [e.prompt_text for e in examples for _ in range(n)]
@@ -444,6 +454,9 @@ def main(args: Args) -> None:
     if args.sequences_per_step % args.num_minibatches or args.sequences_per_minibatch < d.world_size:
         raise ValueError(f"--num-minibatches {args.num_minibatches} must divide the {args.sequences_per_step} "
                          f"sequences per step into mini-batches of at least {d.world_size} (one per rank)")
+    if args.tis_cap > 0 and not args.engine_logprobs:
+        raise ValueError("--tis-cap weighs tokens by pi_old / pi_engine, which needs the engine's log-probs: drop "
+                         "--no-engine-logprobs (or set --tis-cap 0)")
     if not args.temperature > 0:
         raise ValueError(f"--temperature {args.temperature}: training samples and scores log-probs at this temperature, "
                          "so it must be > 0 (evaluation is already greedy)")
@@ -451,6 +464,9 @@ def main(args: Args) -> None:
         raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
                          f"sequence (--max-prompt-tokens + --max-new-tokens = "
                          f"{args.max_prompt_tokens + args.max_new_tokens}); raise it")
+    if args.forward_token_budget < args.max_prompt_tokens + args.max_new_tokens:
+        raise ValueError(f"--max-tokens-per-forward {args.max_tokens_per_forward} is smaller than one sequence "
+                         f"({args.max_prompt_tokens + args.max_new_tokens} tokens); raise it, or 0 for the default")
     if args.kl_target > 0 and args.kl_coef <= 0:
         raise ValueError("--kl-target needs a starting --kl-coef > 0 (the controller scales it; 0 stays 0)")
     run_dir = Path(args.out_dir) / args.exp_name
@@ -527,6 +543,9 @@ def main(args: Args) -> None:
         "optimiser steps / rollout": args.optimizer_steps_per_rollout,
         "sequences / mini-batch / rank": seqs_per_rank_mb,
         "micro-batch token budget": args.max_tokens_per_microbatch,
+        "no-grad forward token budget": args.forward_token_budget,
+        "FSDP unit": resolve_unit(args.fsdp, d.world_size),
+        "trainer attention": describe(d.device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
         "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.max_new_tokens)
                                                     / args.max_tokens_per_microbatch),
         "reference model": "yes" if ref is not None else "no (kl_coef = 0)",
@@ -547,7 +566,7 @@ def main(args: Args) -> None:
         # ---- 4 (of the previous step). sync: wake the engine's weights, refit them from the shards, wake the KV cache
         with timed(perf, "wake_weights"):
             engine.wake(["weights"])
-        if engine_stale:
+        if engine_stale or engine.weights_discarded:  # trained since the last refit, or a level-2 sleep
             with timed(perf, "refit"):
                 engine.load_weights(iter_full_params(policy, prefix="lm."))
         with timed(perf, "wake_kv"):
@@ -601,13 +620,13 @@ def main(args: Args) -> None:
         if ref is not None:
             with timed(perf, "ref_logp"):
                 ref_logp = sequence_logprobs(ref, prompts, responses, lengths, rows_all, d.world_size, d.rank,
-                                             args.max_tokens_per_microbatch, args.temperature, width, d.device)
+                                             args.forward_token_budget, args.temperature, width, d.device)
         with timed(perf, "old_logp"):
             old_logp = sequence_logprobs(policy, prompts, responses, lengths, rows_all, d.world_size, d.rank,
-                                         args.max_tokens_per_microbatch, args.temperature, width, d.device)
+                                         args.forward_token_budget, args.temperature, width, d.device)
         with timed(perf, "old_values"):
             old_values, last_values = sequence_values(critic, prompts, responses, lengths, rows_all, d.world_size,
-                                                      d.rank, args.max_tokens_per_microbatch, width, d.device)
+                                                      d.rank, args.forward_token_budget, width, d.device)
         old_values = old_values * mask  # (B, T)
         bootstrap = truncated & args.bootstrap_truncated  # (B,) a cut sequence is worth V(s_T), not its task reward
         tok_rewards = token_rewards(rewards, old_logp, ref_logp, mask, kl_coef, ~bootstrap)  # (B, T)

@@ -58,6 +58,8 @@ def main():
                     help="per-request seeds, as the training scripts use by default")
     ap.add_argument("--also-unseeded", action="store_true",
                     help="then time the same sampling without per-request seeds (--vllm.no-seed-requests)")
+    ap.add_argument("--also-no-logprobs", action="store_true",
+                    help="then time the same sampling without the sampled tokens' log-probs")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default=None, help="existing model folder (default: build W05's in a tmp folder)")
@@ -73,10 +75,10 @@ def main():
         engine = VLLMEngine(path, args, max_model_len=W05["prompt_len"] + W05["new_tokens"], seed=0)
         prompts = w05_prompts(W05["num_prompts"], W05["prompt_len"])
 
-        def run(step: int) -> tuple[float, int]:
+        def run(step: int, logprobs: bool = True) -> tuple[float, int]:
             t = time.perf_counter()
             r = engine.generate(prompts, n=W05["n"], temperature=W05["temperature"], top_p=1.0, top_k=0,
-                                max_new_tokens=W05["new_tokens"], seed=step, ignore_eos=True)
+                                max_new_tokens=W05["new_tokens"], seed=step, ignore_eos=True, logprobs=logprobs)
             torch.cuda.synchronize()
             return time.perf_counter() - t, sum(len(x) for x in r.response_ids)
 
@@ -115,6 +117,15 @@ def main():
                 print(f"unseeded run {i}: {s:.2f}s, {new} new tokens, {new / s:,.0f} new tok/s", flush=True)
             u = statistics.median(unseeded)
             print(f"STANDALONE_VLLM_UNSEEDED median_s={u:.3f} new_tok_per_s={total_new / u:.0f}", flush=True)
+            engine.args.seed_requests = True
+        if a.also_no_logprobs:  # what the sampled tokens' log-probs (grpo.py --no-engine-logprobs) cost the engine
+            bare = []
+            for i in range(a.repeats):
+                s, new = run(300 + i, logprobs=False)
+                bare.append(s)
+                print(f"no-logprobs run {i}: {s:.2f}s, {new} new tokens, {new / s:,.0f} new tok/s", flush=True)
+            u = statistics.median(bare)
+            print(f"STANDALONE_VLLM_NO_LOGPROBS median_s={u:.3f} new_tok_per_s={total_new / u:.0f}", flush=True)
         print(f"STANDALONE_VLLM median_s={med:.3f} new_tok_per_s={total_new / med:.0f}", flush=True)
 
 

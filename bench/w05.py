@@ -264,9 +264,11 @@ def main():
 
     if "standalone" in todo:
         r = run_sub("standalone", [py, "bench/standalone_vllm.py", "--model", str(model), "--max-num-seqs", "512",
-                                   "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--also-unseeded"],
+                                   "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--also-unseeded",
+                                   "--also-no-logprobs"],
                     out, a.timeout)
-        for tag, prefix in (("STANDALONE_VLLM", ""), ("STANDALONE_VLLM_UNSEEDED", "unseeded_")):
+        for tag, prefix in (("STANDALONE_VLLM", ""), ("STANDALONE_VLLM_UNSEEDED", "unseeded_"),
+                            ("STANDALONE_VLLM_NO_LOGPROBS", "no_logprobs_")):
             line = next((ln for ln in reversed(r["tail"].splitlines()) if ln.split(" ")[0] == tag), "")
             r |= {prefix + k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
         r["kind"] = "standalone"

@@ -59,6 +59,30 @@ def _torch_varlen():
 
 _FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 _VARLEN_ATTN, _VARLEN_GQA = _torch_varlen()
+_NATIVE_GQA = False  # set by register_varlen_attention: torch varlen_attn takes fewer KV heads without a flag
+
+
+def _probe_native_gqa() -> bool:
+    """torch 2.11's varlen_attn has no enable_gqa flag, but the flash kernels under it take fewer KV heads than
+    query heads (as flash-attn's do), forward and backward, which saves expanding K and V (a copy of each per
+    layer, and their gradients summed back). Use that only if a small case agrees with expanded heads, values
+    and gradients, so a torch that rejects or mishandles it keeps the expansion. Runs eagerly, once."""
+    if _VARLEN_ATTN is None or _VARLEN_GQA or not torch.cuda.is_available():
+        return False
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        make = lambda h: torch.randn(40, h, 64, device="cuda", generator=g).bfloat16().requires_grad_()
+        q, k, v = make(4), make(2), make(2)
+        cu = torch.tensor([0, 17, 40], device="cuda", dtype=torch.int32)
+        with torch.enable_grad():
+            outs = [_VARLEN_ATTN(q, kk, vv, cu, cu, 23, 23, window_size=(-1, 0)) for kk, vv in
+                    ((k, v), (k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)))]
+            dout = torch.randn_like(outs[0])
+            grads = [torch.autograd.grad(o, (q, k, v), dout) for o in outs]
+        return all(torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+                   for a, b in zip((outs[0], *grads[0]), (outs[1], *grads[1])))
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -97,7 +121,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         if k.shape[1] != Hq:
             if _VARLEN_GQA:
                 gqa = {"enable_gqa": True}
-            else:  # torch 2.11's varlen_attn has no enable_gqa: expand the kv heads
+            elif not _NATIVE_GQA:  # no enable_gqa and the kernel did not pass the probe: expand the kv heads
                 k, v = (x.repeat_interleave(Hq // x.shape[1], 1) for x in (k, v))
         out = _VARLEN_ATTN(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa)
     else:
@@ -107,10 +131,22 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
 
 def register_varlen_attention() -> str:
     """Register "varlen" with transformers' AttentionInterface (idempotent); returns the name to pass as
-    attn_implementation."""
+    attn_implementation. On a GPU, also checks once whether torch's varlen_attn takes GQA heads unexpanded."""
+    global _NATIVE_GQA
     from transformers import AttentionInterface
     AttentionInterface.register(NAME, varlen_attention_forward)
+    if torch.cuda.is_available() and not _NATIVE_GQA:
+        _NATIVE_GQA = _probe_native_gqa()
     return NAME
+
+
+def describe(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel "varlen" runs on `device` in `dtype`, and how it handles grouped KV heads (for logs)."""
+    kind = backend(device, dtype)
+    if kind == "torch_varlen":
+        return "torch varlen_attn, GQA " + ("enable_gqa" if _VARLEN_GQA else "native" if _NATIVE_GQA else
+                                            "by expanding K/V")
+    return {"flash_attn": "flash-attn varlen", "reference": "per-sequence sdpa (reference)"}[kind]
 
 
 def attn_kwargs(mb) -> dict:

@@ -134,12 +134,12 @@ class timed:
 
 class Profile:
     """torch.profiler over part of one step (`--profile-step`): `p = Profile(on, path)` ... `p.stop(is_main)` writes
-    the top kernels by device time to `path`.txt (and prints them) and a Chrome trace to `path`.json.gz (rank 0).
-    Does nothing when `on` is False."""
+    the top kernels by device time to `path`.txt (and prints them) and, with `trace`, a Chrome trace to
+    `path`.json.gz (rank 0). Does nothing when `on` is False."""
 
-    def __init__(self, on: bool, path: Path):
+    def __init__(self, on: bool, path: Path, trace: bool = True):
         import torch
-        self.path, self.prof = Path(path), None
+        self.path, self.prof, self.trace = Path(path), None, trace
         if on:
             acts = [torch.profiler.ProfilerActivity.CPU] + \
                 ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -158,8 +158,9 @@ class Profile:
             table = self.prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.with_suffix(".txt").write_text(table)
-            self.prof.export_chrome_trace(str(self.path.with_suffix(".json.gz")))
-            print(f"profile ({self.path}.txt, .json.gz):\n{table}", flush=True)
+            if self.trace:
+                self.prof.export_chrome_trace(str(self.path.with_suffix(".json.gz")))
+            print(f"profile ({self.path}.txt{', .json.gz' if self.trace else ''}):\n{table}", flush=True)
         self.prof = None
 
 

@@ -1,16 +1,19 @@
-"""No-grad passes between optimiser steps with FSDP2, resharding after forward on or off (world of one, CPU).
+"""No-grad passes between optimiser steps with FSDP2: per-layer units resharding after forward or not, and the
+whole model as one unit (world of one, CPU).
 
     python tests/fsdp_driver.py MODEL_DIR OUT.pt
 
 A no-grad pass (as grpo.py's reference / old log-probs), common.fsdp.reshard, a forward and backward, another
-no-grad pass, reshard, the optimiser step; twice, then a final no-grad pass. Saves the final log-probs for --fsdp.reshard-after-forward on and off: they must be
-equal, i.e. no pass used gathered parameters left over from before an optimiser step.
+no-grad pass, reshard, the optimiser step; twice, then a final no-grad pass. Saves the final log-probs of each setting (they must be equal:
+no pass used gathered parameters left over from before an optimiser step) and how many FSDP units it made.
 """
 import sys
 
 import torch
 
 from common import dist as D
+from torch.distributed.fsdp import FSDPModule
+
 from common.fsdp import FSDPArgs, reshard, shard
 from common.models import TokenLogProbs, load_causal_lm
 from common.packing import pack
@@ -22,9 +25,11 @@ prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 3, 7)
 responses = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (4, 6, 2)]
 mb = pack(prompts, responses, [0, 1, 2])
 results = {}
-for raf in (True, False):
-    policy = shard(lm := load_causal_lm(model_dir, "sdpa"), FSDPArgs(reshard_after_forward=raf, compile="off"),
-                   d.device, root=TokenLogProbs(lm, "torch"))
+for name, unit, raf in (("layer", "layer", True), ("layer_noraf", "layer", False), ("model", "auto", True)):
+    policy = shard(lm := load_causal_lm(model_dir, "sdpa"), FSDPArgs(unit=unit, reshard_after_forward=raf,
+                                                                     compile="off"), d.device,
+                   root=TokenLogProbs(lm, "torch"))
+    results[name + "_units"] = sum(isinstance(m, FSDPModule) for m in policy.modules())
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     for _ in range(2):
         with torch.no_grad():
@@ -38,7 +43,7 @@ for raf in (True, False):
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
-        results[raf] = policy(mb.input_ids, mb.position_ids, mb.targets)[0]
+        results[name] = policy(mb.input_ids, mb.position_ids, mb.targets)[0]
     reshard(policy)
 # A frozen model (the reference) is stored in the compute dtype: same log-probs as fp32 master weights cast by
 # mixed precision, half the bytes.

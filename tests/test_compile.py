@@ -1,6 +1,6 @@
 """common/fsdp.py's options: --fsdp.compile (compiled decoder layers give the eager log-probs and gradients; CPU
 through inductor's C++ backend in CI, CUDA with the varlen kernel and bf16 under -m gpu) and
---fsdp.reshard-after-forward (no stale gathered parameters after an optimiser step)."""
+--fsdp.reshard-after-forward and --fsdp.unit (no stale gathered parameters after an optimiser step)."""
 import os
 
 import pytest
@@ -43,10 +43,23 @@ def test_compiled_layers_match_eager_cuda(tiny_model_dir, tmp_path):
 
 
 def test_no_stale_parameters_without_resharding_after_forward(tiny_model_dir, tmp_path):
-    """With reshard_after_forward=False every layer stays gathered after a no-grad pass; common.fsdp.reshard must
-    free them before the optimiser step, or the next pass would compute with the old weights."""
+    """With reshard_after_forward=False every layer stays gathered after a no-grad pass, and with the whole model
+    as one unit (--fsdp.unit model, the default with one rank) the root does; common.fsdp.reshard must free them
+    before the optimiser step, or the next pass would compute with the old weights. Same log-probs in all three."""
     res = run_driver(tiny_model_dir, tmp_path, "cpu", "tests/fsdp_driver.py")
-    torch.testing.assert_close(res[False], res[True], atol=1e-6, rtol=0)
+    torch.testing.assert_close(res["layer_noraf"], res["layer"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(res["model"], res["layer"], atol=1e-6, rtol=0)
+    assert res["layer_units"] == 2 + 1  # the tiny model's two decoder layers and the root
+    assert res["model_units"] == 1  # auto with one rank: the whole model
+
+
+def test_fsdp_unit_auto():
+    from common.fsdp import FSDPArgs, resolve_unit
+    assert resolve_unit(FSDPArgs(), 1) == "model"
+    assert resolve_unit(FSDPArgs(), 2) == "layer"
+    assert resolve_unit(FSDPArgs(cpu_offload=True), 1) == "layer"  # offload moves one unit at a time
+    assert resolve_unit(FSDPArgs(unit="layer"), 1) == "layer"
+    assert resolve_unit(FSDPArgs(unit="model"), 8) == "model"
 
 
 def test_frozen_reference_stored_in_compute_dtype(tiny_model_dir, tmp_path):

@@ -1,6 +1,7 @@
 """grpo.py under torchrun on CPU: gradient split invariance, end to end, learning, and bad input."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -36,9 +37,15 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
     p = torchrun("grpo.py", "--model", str(tiny_model_dir), "--num-steps", "3", "--prompts-per-step", "4",
                  "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "3", "--eval-size", "4",
                  "--kl-coef", "0.05", "--num-minibatches", "2", "--max-tokens-per-microbatch", "300",
-                 "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-3",
+                 "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-3", "--profile-step", "1",
                  "--out-dir", str(tmp_path), "--exp-name", "e2e", nproc=2)
     rows = read_metrics(tmp_path / "e2e")
+    # --profile-step: one table for the generate phase, one (and a trace) for the learning phases
+    assert "generate" in (tmp_path / "e2e" / "profile_step1_generate.txt").read_text()
+    learn = (tmp_path / "e2e" / "profile_step1.txt").read_text()
+    assert "update" in learn and "ref_logp" in learn
+    assert (tmp_path / "e2e" / "profile_step1.json.gz").exists()
+    assert not (tmp_path / "e2e" / "profile_step1_generate.json.gz").exists()
     train = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in train] == [0, 1, 2]
     for r in train:
@@ -57,6 +64,7 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
     cfg = json.loads((tmp_path / "e2e" / "config.json").read_text())
     assert cfg["world_size"] == 2 and cfg["sequences_per_step"] == 8 and "git_sha" in cfg
     assert "batch geometry" in p.stdout
+    assert re.search(r"FSDP unit +layer", p.stdout)  # two ranks: one unit per decoder layer
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from common.attention import (attn_kwargs, backend, cu_seqlens_from_position_ids, reference_varlen_attention,
-                              register_varlen_attention, varlen_attention_forward)
+                              describe, register_varlen_attention, varlen_attention_forward)
 from common.models import TokenLogProbs, load_causal_lm
 from common.packing import balanced_partition, pack, plan_microbatches, shard_microbatches
 
@@ -182,8 +182,11 @@ def test_unpack_pack_roundtrip():
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv", [(14, 2), (8, 8)])
 def test_varlen_kernel_matches_sdpa_cuda_bf16(hq, hkv):
-    """The CUDA varlen kernel (flash-attn or torch varlen_attn) against per-sequence sdpa, values and gradients."""
+    """The CUDA varlen kernel (flash-attn or torch varlen_attn) against per-sequence sdpa, values and gradients,
+    with grouped KV heads as register_varlen_attention's probe decided (unexpanded if the kernel takes them)."""
+    register_varlen_attention()
     assert backend(torch.device("cuda"), torch.bfloat16) != "reference"
+    print("varlen attention:", describe(torch.device("cuda"), torch.bfloat16))
     g = torch.Generator().manual_seed(0)
     lens = [768, 300, 1, 513, 1024, 490]
     N, D = sum(lens), 64

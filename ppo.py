@@ -168,9 +168,10 @@ class Args:
     """token-mean | seq-mean-token-sum (/ max_new_tokens) | seq-mean-token-mean (each sequence's mean first)"""
     tis_cap: float = 0.0
     """truncated importance sampling: weight each token by min(pi_old / pi_engine, cap) (0: off; docs/vllm.md)"""
-    engine_logprobs: bool = True
-    """ask the rollout engine for each sampled token's log-prob: the engine-vs-trainer gap metrics
-    (rollout/logprob_gap_*) and --tis-cap need them; --no-engine-logprobs spares the engine that bookkeeping"""
+    engine_logprobs_every: int = 10
+    """ask the rollout engine for the sampled tokens' log-probs at every k-th step (0: never; every step with
+    --tis-cap, which weighs by them). They feed the engine-vs-trainer gap metrics (rollout/logprob_gap_*), which
+    catch an engine that drifted from the trainer, and cost vLLM ~45% of W05's generation (docs/performance.md)"""
     lr: float = 1e-6
     """AdamW learning rate"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -407,13 +408,14 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
 
 
 # Same as grpo.py:generate_and_score
-def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed, temperature, perf: dict):
-    """Sample n completions per prompt on this rank and score them (seconds into perf: generate_s, score_s).
-    Returns the rollout, the texts, prompts, answers and the scores."""
+def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed, temperature, perf: dict,
+                       logprobs: bool = False):
+    """Sample n completions per prompt on this rank and score them (seconds into perf: generate_s, score_s), with
+    the sampled tokens' log-probs if `logprobs`. Returns the rollout, the texts, prompts, answers and the scores."""
     with timed(perf, "generate"):
         rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
                                   top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
-                                  stop_token_ids=stop_ids, ignore_eos=args.ignore_eos, logprobs=args.engine_logprobs)
+                                  stop_token_ids=stop_ids, ignore_eos=args.ignore_eos, logprobs=logprobs)
     with timed(perf, "score"):
         texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
         prompts = [e.prompt_text for e in examples for _ in range(n)]
@@ -454,9 +456,8 @@ def main(args: Args) -> None:
     if args.sequences_per_step % args.num_minibatches or args.sequences_per_minibatch < d.world_size:
         raise ValueError(f"--num-minibatches {args.num_minibatches} must divide the {args.sequences_per_step} "
                          f"sequences per step into mini-batches of at least {d.world_size} (one per rank)")
-    if args.tis_cap > 0 and not args.engine_logprobs:
-        raise ValueError("--tis-cap weighs tokens by pi_old / pi_engine, which needs the engine's log-probs: drop "
-                         "--no-engine-logprobs (or set --tis-cap 0)")
+    if args.engine_logprobs_every < 0:
+        raise ValueError(f"--engine-logprobs-every {args.engine_logprobs_every}: give k >= 0 (0: never, 1: every step)")
     if not args.temperature > 0:
         raise ValueError(f"--temperature {args.temperature}: training samples and scores log-probs at this temperature, "
                          "so it must be > 0 (evaluation is already greedy)")
@@ -586,7 +587,8 @@ def main(args: Args) -> None:
         batch = sampler.next_batch()  # this rank's P / world prompts
         rollout, texts, prompt_texts, answers, res = generate_and_score(
             engine, batch, n, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
-            args.temperature, perf)
+            args.temperature, perf, logprobs=args.tis_cap > 0 or
+            (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
         with timed(perf, "sleep"):
             engine.sleep()  # hand the memory to training
         if res.first_error:

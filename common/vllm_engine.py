@@ -376,6 +376,10 @@ class VLLMEngine:
         tags = list(tags) if tags is not None else None
         if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
             raise ValueError(f"wake tags must be 'weights' and/or 'kv_cache', got {tags}")
+        # Training ran since sleep(): torch's caching allocator still holds the blocks its activations used, and
+        # vLLM's pool allocates beside it, not from it. Return them first, or the KV cache may not fit (W7B-2's
+        # third step ran out of memory here: LOG.md, session 3).
+        torch.cuda.empty_cache()
         self.llm.wake_up(tags=tags)
         self._asleep -= set(tags or ("weights", "kv_cache"))
         self.timings["wake"] = time.perf_counter() - t0

@@ -38,6 +38,7 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
                  "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "3", "--eval-size", "4",
                  "--kl-coef", "0.05", "--num-minibatches", "2", "--max-tokens-per-microbatch", "300",
                  "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-3", "--profile-step", "1",
+                 "--engine-logprobs-every", "1",
                  "--out-dir", str(tmp_path), "--exp-name", "e2e", nproc=2)
     rows = read_metrics(tmp_path / "e2e")
     # --profile-step: one table for the generate phase, one (and a trace) for the learning phases

@@ -71,7 +71,7 @@ def test_custom_reward_fn_missing(tiny_model_dir, tmp_path):
     (["--max-tokens-per-microbatch", "64"], "--max-tokens-per-microbatch"),
     (["--temperature", "0"], "--temperature 0.0"),
     (["--max-tokens-per-forward", "64"], "--max-tokens-per-forward 64"),
-    (["--tis-cap", "2", "--no-engine-logprobs"], "--no-engine-logprobs"),
+    (["--engine-logprobs-every", "-1"], "--engine-logprobs-every -1"),
 ])
 def test_batch_geometry_that_does_not_divide(tiny_model_dir, tmp_path, flags, names):
     p = run_grpo("--model", str(tiny_model_dir), *TINY, *flags, tmp_path=tmp_path)
@@ -102,11 +102,14 @@ def test_non_finite_loss_skips_updates_then_stops(tiny_model_dir, tmp_path):
     assert rows[0]["step"] == 0 and rows[0]["train/skipped_updates"] == 1
 
 
-def test_no_engine_logprobs_runs_without_the_gap_metrics(tiny_model_dir, tmp_path):
-    """--no-engine-logprobs: the engine returns no log-probs, training is unchanged, the gap metrics are absent."""
-    run_grpo("--model", str(tiny_model_dir), *TINY, "--exp-name", "nolp", "--no-engine-logprobs", tmp_path=tmp_path,
-             check=True)
-    run_grpo("--model", str(tiny_model_dir), *TINY, "--exp-name", "lp", tmp_path=tmp_path, check=True)
-    rows = {name: [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")][0] for name in ("nolp", "lp")}
-    assert "rollout/logprob_gap_mean" in rows["lp"] and "rollout/logprob_gap_mean" not in rows["nolp"]
-    assert rows["nolp"]["train/loss"] == rows["lp"]["train/loss"]  # same samples (seeded), same update
+def test_engine_logprobs_every_k_steps(tiny_model_dir, tmp_path):
+    """--engine-logprobs-every k: the engine returns log-probs (and the gap metrics appear) at steps 0, k, 2k...;
+    0: never. Training is the same either way (seeded samples, the update does not use them without --tis-cap)."""
+    steps = ["--num-steps", "3", *TINY[2:]]
+    for name, k in (("every2", "2"), ("never", "0")):
+        run_grpo("--model", str(tiny_model_dir), *steps, "--exp-name", name, "--engine-logprobs-every", k,
+                 tmp_path=tmp_path, check=True)
+    rows = {name: [json.loads(l) for l in open(tmp_path / name / "metrics.jsonl")] for name in ("every2", "never")}
+    assert ["rollout/logprob_gap_mean" in r for r in rows["every2"]] == [True, False, True]
+    assert not any("rollout/logprob_gap_mean" in r for r in rows["never"])
+    assert [r["train/loss"] for r in rows["never"]] == [r["train/loss"] for r in rows["every2"]]

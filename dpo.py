@@ -56,7 +56,7 @@ from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer, 
 from common.packing import shard_microbatches
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
                                reference_logprobs, response_logp_sums)
-from common.tracking import Progress, make_tracker, print_table, timed, to_dict
+from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
 
 
 @dataclass
@@ -395,8 +395,7 @@ def main(args: Args) -> None:
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
         if d.device.type == "cuda":
-            perf["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.reset_peak_memory_stats()
+            perf["peak_mem_gib"] = step_peak_gib(perf)
 
         # ---- 4. log -------------------------------------------------------------------------------------------
         perf["step_s"] = time.perf_counter() - t_step

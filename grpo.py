@@ -47,7 +47,7 @@ from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tok
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
 from common.rollout import HFEngine
-from common.tracking import Profile, Progress, make_tracker, print_table, timed, to_dict
+from common.tracking import Profile, Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
 from common.vllm_engine import VLLMArgs
 
 
@@ -590,8 +590,7 @@ def main(args: Args) -> None:
         prof.stop(d.is_main)
         engine_stale = bool(rows_all)
         if d.device.type == "cuda":
-            perf["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.reset_peak_memory_stats()
+            perf["peak_mem_gib"] = step_peak_gib(perf)
 
         # ---- 4. log -----------------------------------------------------------------------------------------
         for k in ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "tis_w"):
@@ -611,6 +610,10 @@ def main(args: Args) -> None:
             train_s = perf.get("ref_logp_s", 0.0) + perf.get("old_logp_s", 0.0) + perf["update_s"]
             perf["mfu"] = mfu(tok_trained * passes / train_s / d.world_size, fpt, args.peak_flops)
             perf["mfu_step"] = mfu(tok_trained * passes / perf["step_s"] / d.world_size, fpt, args.peak_flops)
+            for phase, times in (("ref_logp", 1), ("old_logp", 1), ("update", args.num_epochs)):  # tokens / s / GPU
+                if f"{phase}_s" in perf:
+                    perf[f"{phase}_tokens_per_s_per_gpu"] = tok_trained * times / perf[f"{phase}_s"] / d.world_size
+        perf["generate_tokens_per_s_per_gpu"] = float(resp_len.sum()) / perf["generate_s"] / d.world_size  # new ones
         metrics |= {
             "reward/mean": rewards.mean(), "reward/std": rewards.std() if B > 1 else 0.0,
             "reward/correct_frac": correct.float().mean(),

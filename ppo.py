@@ -59,7 +59,7 @@ from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tok
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
 from common.rollout import HFEngine
-from common.tracking import Progress, make_tracker, print_table, timed, to_dict
+from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
 from common.vllm_engine import VLLMArgs
 
 
@@ -713,8 +713,7 @@ def main(args: Args) -> None:
             critic_scheduler.step()
         engine_stale = train_policy
         if d.device.type == "cuda":
-            perf["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.reset_peak_memory_stats()
+            perf["peak_mem_gib"] = step_peak_gib(perf)
 
         # ---- 4. log, adapt kl_coef -------------------------------------------------------------------------
         for k in ("pg_loss", "vf_loss", "entropy", "clip_frac", "vf_clip_frac", "approx_kl", "tokens", "gap_sum",

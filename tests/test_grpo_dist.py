@@ -58,6 +58,11 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
         assert r["train/entropy"] > 0 and r["train/grad_norm"] > 0
         # HF engine and trainer share weights and dtype: log-probs agree closely
         assert r["rollout/logprob_gap_max"] < 1e-3
+        # tokens / s / GPU per phase: new tokens for generation, the trained tokens for the others (2 ranks)
+        new_tokens = r["rollout/response_len_mean"] * 8
+        assert r["perf/generate_tokens_per_s_per_gpu"] == pytest.approx(new_tokens / r["perf/generate_s"] / 2)
+        assert r["perf/update_tokens_per_s_per_gpu"] * r["perf/update_s"] == pytest.approx(
+            r["perf/ref_logp_tokens_per_s_per_gpu"] * r["perf/ref_logp_s"])  # the same tokens, one epoch
     assert all(r["train/kl"] >= 0 for r in train)  # k3 is non-negative
     assert train[-1]["train/kl"] > train[0]["train/kl"] > 0  # the 2nd mini-batch of step 0 already moved away
     evals = [r for r in rows if "eval/accuracy" in r]

@@ -257,6 +257,22 @@ def test_logprobs_shape_and_sign(engine_and_model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
+def test_wake_returns_torchs_cached_blocks(engine_and_model):
+    """Training between sleep and wake leaves its freed activations in torch's cache, where vLLM's pool cannot use
+    them; wake() hands them back first (W7B-2 ran out of memory waking the KV cache without it, session 3)."""
+    engine, perturbed = engine_and_model
+    engine.sleep()
+    x = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
+    del x  # freed into torch's cache: still reserved
+    reserved = torch.cuda.memory_reserved()
+    engine.wake(["weights"])
+    assert torch.cuda.memory_reserved() <= reserved - int(1.5 * GiB)
+    engine.load_weights((n, p.detach().cuda()) for n, p in perturbed.named_parameters())
+    engine.wake(["kv_cache"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
 def test_sleep_frees_what_the_engine_held(engine_and_model):
     engine, _ = engine_and_model
     free_awake = torch.cuda.mem_get_info()[0]

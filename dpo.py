@@ -395,7 +395,7 @@ def main(args: Args) -> None:
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
         if d.device.type == "cuda":
-            perf["peak_mem_gib"] = step_peak_gib(perf)
+            perf["peak_mem_gib"] = step_peak_gib()
 
         # ---- 4. log -------------------------------------------------------------------------------------------
         perf["step_s"] = time.perf_counter() - t_step

@@ -590,7 +590,7 @@ def main(args: Args) -> None:
         prof.stop(d.is_main)
         engine_stale = bool(rows_all)
         if d.device.type == "cuda":
-            perf["peak_mem_gib"] = step_peak_gib(perf)
+            perf["peak_mem_gib"] = step_peak_gib()
 
         # ---- 4. log -----------------------------------------------------------------------------------------
         for k in ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "tis_w"):

@@ -713,7 +713,7 @@ def main(args: Args) -> None:
             critic_scheduler.step()
         engine_stale = train_policy
         if d.device.type == "cuda":
-            perf["peak_mem_gib"] = step_peak_gib(perf)
+            perf["peak_mem_gib"] = step_peak_gib()
 
         # ---- 4. log, adapt kl_coef -------------------------------------------------------------------------
         for k in ("pg_loss", "vf_loss", "entropy", "clip_frac", "vf_clip_frac", "approx_kl", "tokens", "gap_sum",

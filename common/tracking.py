@@ -112,8 +112,8 @@ def print_table(title: str, rows: dict) -> str:
 
 class timed:
     """`with timed(perf, "generate"):` adds the phase's wall seconds to perf["generate_s"] (GPU work synchronised)
-    and, on a GPU, its peak torch memory to perf["generate_peak_gib"] (the counter is reset at every phase, so
-    call `step_peak_gib(perf)` for the step's peak). Allocations outside torch's allocator (vLLM's KV cache and
+    and, on a GPU, its peak torch memory to perf["generate_peak_gib"] (torch's counter is reset at every phase,
+    so the step's peak comes from `step_peak_gib()`). Allocations outside torch's allocator (vLLM's KV cache and
     weights, in their own pool) are not in the counter."""
 
     def __init__(self, perf: dict, name: str):
@@ -123,7 +123,7 @@ class timed:
         import torch
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-            _carry_peak(self.perf)
+            _fold_peak()
             torch.cuda.reset_peak_memory_stats()
         self.label = torch.profiler.record_function(self.name)  # names the phase in a --profile-step trace
         self.label.__enter__()
@@ -133,28 +133,33 @@ class timed:
         import torch
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-            peak = _carry_peak(self.perf)
             key = f"{self.name}_peak_gib"
-            self.perf[key] = max(self.perf.get(key, 0.0), peak / 2**30)
+            self.perf[key] = max(self.perf.get(key, 0.0), _fold_peak() / 2**30)
         self.perf[self.key] = self.perf.get(self.key, 0.0) + time.perf_counter() - self.t
         self.label.__exit__(*exc)
 
 
-def _carry_peak(perf: dict) -> int:
-    """Fold torch's peak-memory counter (since its last reset) into perf["_peak_bytes"]; return the counter."""
+_step_peak = 0  # bytes: torch's peak counter, folded in at every phase boundary since the last step_peak_gib()
+
+
+def _fold_peak() -> int:
+    """Fold torch's peak-memory counter (since its last reset) into the step's peak; return the counter."""
+    global _step_peak
     import torch
     peak = torch.cuda.max_memory_allocated()
-    perf["_peak_bytes"] = max(perf.get("_peak_bytes", 0), peak)
+    _step_peak = max(_step_peak, peak)
     return peak
 
 
-def step_peak_gib(perf: dict) -> float:
-    """The step's peak torch memory in GiB over its phases and what ran between them; resets the counter for the
-    next step and removes the bookkeeping key from perf."""
+def step_peak_gib() -> float:
+    """The peak torch memory in GiB since the last call, over the timed phases and what ran between them; resets
+    torch's counter for the next step. GPU only."""
+    global _step_peak
     import torch
-    _carry_peak(perf)
+    _fold_peak()
     torch.cuda.reset_peak_memory_stats()
-    return perf.pop("_peak_bytes") / 2**30
+    peak, _step_peak = _step_peak, 0
+    return peak / 2**30
 
 
 class Profile:

@@ -17,6 +17,8 @@
 # assets the queue needs (e.g. .gpu-assets/qwen2.5-tokenizer.tar.xz, .gpu-assets/gsm8k_train.jsonl.xz, .gpu-assets/whl).
 # Jobs run detached (setsid) so they outlive a call; each writes /tmp/logs/<job>.log and appends to
 # /tmp/logs/status. Keep a `poll` call going: the machine is released 30 s after a call ends, jobs or not.
+# A detached job must not write under the call's $OUT (bench/w05.py prefers $OUT to --out): that folder is deleted
+# when the call returns. Queue lines set OUT=$L/<job> for that reason (session 3 lost a run to it, LOG.md).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \

@@ -59,7 +59,7 @@ def _torch_varlen():
 
 _FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 _VARLEN_ATTN, _VARLEN_GQA = _torch_varlen()
-_NATIVE_GQA = False  # set by register_varlen_attention: torch varlen_attn takes fewer KV heads without a flag
+_NATIVE_GQA: bool | None = None  # register_varlen_attention's probe: torch varlen_attn takes fewer KV heads unflagged
 
 
 def _probe_native_gqa() -> bool:
@@ -135,7 +135,7 @@ def register_varlen_attention() -> str:
     global _NATIVE_GQA
     from transformers import AttentionInterface
     AttentionInterface.register(NAME, varlen_attention_forward)
-    if torch.cuda.is_available() and not _NATIVE_GQA:
+    if _NATIVE_GQA is None and torch.cuda.is_available():  # once per process, whatever the answer
         _NATIVE_GQA = _probe_native_gqa()
     return NAME
 

@@ -51,7 +51,7 @@ class HFEngine:
         # scores are the processed logits the sampler drew from (after temperature / top-p / top-k)
         # log-prob of each generated token only (no (B, T, V) stack); (B, T_new)
         logp = torch.stack([s.float().log_softmax(-1).gather(1, new[:, t:t + 1].to(s.device))[:, 0]
-                            for t, s in enumerate(out.scores)], 1).cpu() if logprobs and out.scores else None
+                            for t, s in enumerate(out.scores)], 1).cpu() if out.scores else None
         responses, token_logprobs, reasons = [], [], []
         for b in range(new.shape[0]):
             toks = new[b].tolist()

@@ -234,7 +234,7 @@ class VLLMEngine:
         self.tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
         self.timings: dict[str, float] = {}
         self._asleep: set[str] = set()
-        self._weights_stale = False  # level-2 sleep discarded the weights and no refit came since
+        self.weights_discarded = False  # a level-2 sleep threw the weights away and no refit came since
 
         free, total = torch.cuda.mem_get_info(self.device)
         training = torch.cuda.memory_allocated(self.device) if training_bytes_estimate is None \
@@ -293,7 +293,7 @@ class VLLMEngine:
 
         if self._asleep:
             raise RuntimeError(f"generate() while {sorted(self._asleep)} sleep: call engine.wake() first")
-        if self._weights_stale:
+        if self.weights_discarded:
             raise RuntimeError("sleep level 2 discarded the weights: call engine.load_weights(...) after "
                                "engine.wake(['weights']) before generating (or use --vllm.sleep-level 1)")
         t0 = time.perf_counter()
@@ -353,11 +353,6 @@ class VLLMEngine:
         self._log(f"generate {len(prompts)}x{n} in {dt:.2f}s, {new} new tokens on this rank ({new / dt:.0f}/s)")
         return rollout
 
-    @property
-    def weights_discarded(self) -> bool:
-        """A level-2 sleep threw the weights away and no refit has come since: load_weights before generating."""
-        return self._weights_stale
-
     def sleep(self) -> None:
         """Release the GPU: KV cache dropped; weights to CPU (level 1) or discarded (level 2).
         vLLM's LLM.sleep resets the prefix cache first (vllm/entrypoints/llm.py)."""
@@ -365,7 +360,7 @@ class VLLMEngine:
         self.llm.sleep(level=self.args.sleep_level)
         torch.cuda.empty_cache()  # refit buckets and sampler temporaries left in torch's cache
         self._asleep = {"weights", "kv_cache"}
-        self._weights_stale = self.args.sleep_level == 2
+        self.weights_discarded = self.args.sleep_level == 2
         self.timings["sleep"] = time.perf_counter() - t0
         self._log(f"sleep(level={self.args.sleep_level}) {self.timings['sleep']:.2f}s")
 
@@ -410,7 +405,7 @@ class VLLMEngine:
             del bucket, results
         torch.cuda.synchronize(self.device)
         self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
-        self._weights_stale = False
+        self.weights_discarded = False
         params = self.llm.apply_model(lambda model: [n for n, _ in model.named_parameters()])[0]
         missing = sorted(set(params) - loaded)
         if missing and self.args.sleep_level == 2:

@@ -35,8 +35,8 @@ groups (GROUP_N row blocks x all V ranges) so that the h and W tiles in flight f
 GEMM's grouped order does. Backward: a Triton GEMM kernel recomputes each logits tile and writes
 dlogits in the input dtype straight from registers.
 
-VARIANT "cublas" (the default: faster on the H200, docs/kernels.md). cuBLAS computes each (rows, cols) block of h @ W^T with
-fp32 output (torch.mm(out_dtype=float32): bf16 products, fp32 sums, no bf16 rounding of the logits)
+VARIANT "cublas" (the default: faster on the H200, docs/kernels.md). cuBLAS computes each (rows, cols) block of
+h @ W^T with fp32 output (torch.mm(out_dtype=float32): bf16 products, fp32 sums, no bf16 rounding of the logits)
 and a memory-bound Triton kernel reads the block once: in the forward it folds it into running
 (m, s, a, z_t) per row (the merge rule above), in the backward it writes dlogits. Costs one fp32
 write + read of N x V (about 40 GB at the bench shape, some 10 ms at H200 bandwidth) and buys

@@ -52,8 +52,9 @@ def main():
               [torch.randint(0, 512, (8,), generator=g).tolist() for _ in range(4)], [0, 1, 2, 3])
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=24, num_attention_heads=2,
-                                     num_key_value_heads=1, vocab_size=512, tie_word_embeddings=True)).save_pretrained(tmp)
+        cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=24, num_attention_heads=2,
+                          num_key_value_heads=1, vocab_size=512, tie_word_embeddings=True)
+        Qwen2ForCausalLM(cfg).save_pretrained(tmp)
         for name, fsdp in SETTINGS.items():
             lm = load_causal_lm(tmp, "varlen")
             model = TokenLogProbs(lm, "torch")

@@ -46,6 +46,18 @@ def assert_same(a, b, what):
     assert all(np.array_equal(x, y) for x, y in zip(ra["numpy"], rb["numpy"])), f"{what}: numpy RNG differs"
 
 
+def check_gather_all(policy):
+    """The engine refit's path (every unit gathered at once) yields the same tensors as one parameter at a time
+    (float32 on CPU: equal), under the same names, still valid once the iterator is done (the engine loads its
+    last bucket after that), and leaves the parameters sharded again."""
+    one_by_one = {n: t.clone() for n, t in iter_full_params(policy, prefix="lm.")}
+    gathered = list(iter_full_params(policy, prefix="lm.", gather_all=True))  # each stays valid after the last
+    assert [n for n, _ in gathered] == list(one_by_one), [n for n, _ in gathered]
+    for name, t in gathered:
+        assert not isinstance(t, DTensor) and torch.equal(t, one_by_one[name]), name
+    assert all(isinstance(p, DTensor) for p in policy.parameters())
+
+
 def main(model_dir: str, work: str):
     d = D.init_distributed("cpu")
     D.seed_everything(0)
@@ -53,6 +65,7 @@ def main(model_dir: str, work: str):
     root = work / "checkpoints"
     lm = load_causal_lm(model_dir)
     policy = shard(lm, FSDPArgs(), d.device, root=TokenLogProbs(lm, "torch"))
+    check_gather_all(policy)  # before any forward (a resumed run refits first)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     state = {"policy": (policy, opt), "scheduler": sched}
@@ -75,6 +88,7 @@ def main(model_dir: str, work: str):
         train_step()
         if step >= 2:
             C.save_checkpoint(root, step, state, extra={"sampler": {"epoch": 0, "position": 8 * step}}, keep_last=2)
+    check_gather_all(policy)  # after training steps
     saved = snapshot(policy, opt, sched)
     loss_a = train_step()
     after_a = snapshot(policy, opt, sched)

@@ -1,6 +1,6 @@
 """Run grpo.py's learn phase for one mini-batch on a fixed synthetic rollout and save the full gradient.
 
-    torchrun --nproc_per_node=N tests/grad_split_driver.py MODEL_DIR TOKEN_BUDGET LOSS_AGG OUT.pt
+    torchrun --nproc_per_node=N tests/grad_split_driver.py MODEL_DIR TOKEN_BUDGET LOSS_AGG OUT.pt [KEEP_GATHERED [UNIT]]
 
 The micro-batch loop is grpo.py's (pack -> forward -> unpack -> policy_loss -> backward x world size); the test
 compares the gradient across token budgets (1 vs several micro-batches) and rank counts.
@@ -8,15 +8,18 @@ compares the gradient across token budgets (1 vs several micro-batches) and rank
 import sys
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import grpo
 from common import dist as D
-from common.fsdp import FSDPArgs, shard
+from common.fsdp import FSDPArgs, resolve_keep_gathered, shard
 from common.models import TokenLogProbs, load_causal_lm
 from common.packing import pack, shard_microbatches
 
 model_dir, budget, loss_agg, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+keep = sys.argv[5] if len(sys.argv) > 5 else "off"  # --fsdp.keep-gathered
+unit = sys.argv[6] if len(sys.argv) > 6 else "auto"  # --fsdp.unit
 d = D.init_distributed("cpu")
 g = torch.Generator().manual_seed(0)
 B, width = 8, 6
@@ -31,14 +34,19 @@ engine_logp = (-torch.rand(B, width, generator=g, dtype=torch.float64) * 8) * ma
 args = grpo.Args(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, loss_agg=loss_agg, max_new_tokens=width)
 
 # float64 everywhere but the LM head (the reference kernel computes in fp32), so summation order barely matters
-policy = shard(lm := load_causal_lm(model_dir).double(), FSDPArgs(param_dtype="float64", reduce_dtype="float64"),
-               d.device, root=TokenLogProbs(lm, "torch"))
+fsdp = FSDPArgs(param_dtype="float64", reduce_dtype="float64", keep_gathered=keep, unit=unit)
+policy = shard(lm := load_causal_lm(model_dir).double(), fsdp, d.device, root=TokenLogProbs(lm, "torch"))
+keep_gathered = resolve_keep_gathered(fsdp, lm, d.device)
 rows = list(range(B))
 normaliser = grpo.loss_normaliser(mask[rows], args.loss_agg, args.max_new_tokens)
 micro = shard_microbatches(lengths, rows, d.world_size, d.rank, budget)
+sharded_before = []  # per micro-batch: were the parameters sharded (DTensors) when its forward began?
 for i, mb_rows in enumerate(micro):
     mb = pack(prompts, responses, mb_rows)
-    policy.set_requires_gradient_sync(i == len(micro) - 1)
+    last = i == len(micro) - 1
+    policy.set_requires_gradient_sync(last)
+    policy.set_reshard_after_backward(last or not keep_gathered)
+    sharded_before.append(all(isinstance(p, DTensor) for p in policy.parameters()))
     logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature)
     if not mb_rows:
         (logp.sum() * 0.0).backward()
@@ -51,5 +59,7 @@ grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cl
          for n, p in policy.named_parameters()}
 n_micro = torch.tensor(float(sum(1 for m in micro if m)))
 if d.is_main:
-    torch.save({"grads": grads, "micro_rank0": len(micro)}, out)
+    torch.save({"grads": grads, "micro_rank0": len(micro), "sharded_before": sharded_before,
+                "units": sum(isinstance(m, FSDPModule) for m in policy.modules()),
+                "sharded_after": all(isinstance(p, DTensor) for p in policy.parameters())}, out)
 D.cleanup()

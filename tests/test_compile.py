@@ -55,11 +55,30 @@ def test_no_stale_parameters_without_resharding_after_forward(tiny_model_dir, tm
 
 def test_fsdp_unit_auto():
     from common.fsdp import FSDPArgs, resolve_unit
-    assert resolve_unit(FSDPArgs(), 1) == "model"
-    assert resolve_unit(FSDPArgs(), 2) == "layer"
-    assert resolve_unit(FSDPArgs(cpu_offload=True), 1) == "layer"  # offload moves one unit at a time
-    assert resolve_unit(FSDPArgs(unit="layer"), 1) == "layer"
-    assert resolve_unit(FSDPArgs(unit="model"), 8) == "model"
+    assert resolve_unit(FSDPArgs(), 1, False) == "model"
+    assert resolve_unit(FSDPArgs(), 2, False) == "layer"
+    assert resolve_unit(FSDPArgs(), 2, True) == "model"  # gathered once per mini-batch: per-layer units only cost
+    assert resolve_unit(FSDPArgs(cpu_offload=True), 1, False) == "layer"  # offload moves one unit at a time
+    assert resolve_unit(FSDPArgs(cpu_offload=True, keep_gathered="on"), 2, True) == "layer"
+    assert resolve_unit(FSDPArgs(unit="layer"), 1, True) == "layer"
+    assert resolve_unit(FSDPArgs(unit="model"), 8, False) == "model"
+
+
+def test_fsdp_keep_gathered_auto(monkeypatch):
+    """auto keeps the gathered model between micro-batches when its copy is under 5 % of the GPU's memory."""
+    from types import SimpleNamespace
+
+    from common.fsdp import FSDPArgs, resolve_keep_gathered
+    model = torch.nn.Linear(1000, 1000)  # ~1M parameters: 2 MB gathered in bf16
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: SimpleNamespace(total_memory=int(2e6 / 0.05) + 10**6))
+    assert resolve_keep_gathered(FSDPArgs(), model, cuda)
+    assert not resolve_keep_gathered(FSDPArgs(param_dtype="float32"), model, cuda)  # 4 MB: over 5 %
+    assert not resolve_keep_gathered(FSDPArgs(cpu_offload=True), model, cuda)
+    assert not resolve_keep_gathered(FSDPArgs(), model, cpu)
+    assert resolve_keep_gathered(FSDPArgs(keep_gathered="on"), model, cpu)
+    assert not resolve_keep_gathered(FSDPArgs(keep_gathered="off"), model, cuda)
 
 
 def test_frozen_reference_stored_in_compute_dtype(tiny_model_dir, tmp_path):

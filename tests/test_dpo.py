@@ -222,8 +222,8 @@ def test_dpo_two_ranks_cpu(tmp_path, tiny_model_dir):
             "--num-steps", "2", "--eval-fraction", "0.25", "--eval-every", "1", "--max-length", "128",
             "--max-tokens-per-microbatch", "256", "--lr", "1e-3", "--out-dir", str(tmp_path / "out"),
             "--cache-dir", str(tmp_path / "cache")]
-    for run in ("computed", "hit"):
-        p = torchrun("dpo.py", *args)
+    for run in ("computed", "hit"):  # the second also keeps the parameters gathered between micro-batches
+        p = torchrun("dpo.py", *args, *(["--fsdp.keep-gathered", "on"] if run == "hit" else []))
         assert f"cached ({run}" in p.stdout
         rows = [json.loads(line) for line in (tmp_path / "out" / "dpo" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [0, 1, 2]

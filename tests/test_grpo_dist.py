@@ -12,17 +12,30 @@ from conftest import torchrun
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_gradient_independent_of_microbatches_and_ranks(tiny_model_dir, tmp_path, loss_agg):
-    runs = {"1rank_1micro": (1, 4096), "1rank_4micro": (1, 14), "2rank_micro": (2, 14)}
+    """Same gradient for one micro-batch, several, and several on each of two ranks, with the parameters kept
+    gathered between micro-batches (--fsdp.keep-gathered on: no all-gather after the first) or not."""
+    runs = {"1rank_1micro": (1, 4096, "off", "auto"), "1rank_4micro": (1, 14, "off", "auto"),
+            "2rank_micro": (2, 14, "off", "auto"), "2rank_micro_keep": (2, 14, "on", "auto"),
+            "2rank_micro_keep_layer": (2, 14, "on", "layer")}
     res = {}
-    for name, (nproc, budget) in runs.items():
+    for name, (nproc, budget, keep, unit) in runs.items():
         out = tmp_path / f"{name}.pt"
-        torchrun("tests/grad_split_driver.py", str(tiny_model_dir), str(budget), loss_agg, str(out), nproc=nproc)
+        torchrun("tests/grad_split_driver.py", str(tiny_model_dir), str(budget), loss_agg, str(out), keep, unit,
+                 nproc=nproc)
         res[name] = torch.load(out)
     assert res["1rank_1micro"]["micro_rank0"] == 1
     assert res["1rank_4micro"]["micro_rank0"] >= 4
+    n = res["2rank_micro_keep"]["micro_rank0"]
+    assert n >= 2
+    assert res["2rank_micro"]["sharded_before"] == [True] * n  # resharded after every backward
+    assert res["2rank_micro"]["units"] == 3 and res["2rank_micro_keep"]["units"] == 1  # auto: per layer / model
+    assert res["2rank_micro_keep_layer"]["units"] == 3
+    for name in ("2rank_micro_keep", "2rank_micro_keep_layer"):
+        assert res[name]["sharded_before"] == [True] + [False] * (n - 1)  # gathered once
+        assert res[name]["sharded_after"]  # and sharded again for the optimiser step
     ref = res["1rank_1micro"]["grads"]
     assert sum(g.abs().sum() for g in ref.values()) > 0
-    for name in ("1rank_4micro", "2rank_micro"):
+    for name in ("1rank_4micro", "2rank_micro", "2rank_micro_keep", "2rank_micro_keep_layer"):
         for k, g in res[name]["grads"].items():
             rel = ((g - ref[k]).norm() / ref[k].norm()).item()
             assert rel < 1e-6, f"{name}: {k} differs by {rel:.2e} (relative norm)"
@@ -38,9 +51,10 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
                  "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "3", "--eval-size", "4",
                  "--kl-coef", "0.05", "--num-minibatches", "2", "--max-tokens-per-microbatch", "300",
                  "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-3", "--profile-step", "1",
-                 "--engine-logprobs-every", "1",
+                 "--engine-logprobs-every", "1", "--fsdp.keep-gathered", "on",
                  "--out-dir", str(tmp_path), "--exp-name", "e2e", nproc=2)
     rows = read_metrics(tmp_path / "e2e")
+    assert re.search(r"FSDP keep gathered\W+True", p.stdout)
     # --profile-step: one table for the generate phase, one (and a trace) for the learning phases
     assert "generate" in (tmp_path / "e2e" / "profile_step1_generate.txt").read_text()
     learn = (tmp_path / "e2e" / "profile_step1.txt").read_text()
@@ -70,7 +84,7 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
     cfg = json.loads((tmp_path / "e2e" / "config.json").read_text())
     assert cfg["world_size"] == 2 and cfg["sequences_per_step"] == 8 and "git_sha" in cfg
     assert "batch geometry" in p.stdout
-    assert re.search(r"FSDP unit +layer", p.stdout)  # two ranks: one unit per decoder layer
+    assert re.search(r"FSDP unit +model", p.stdout)  # two ranks, kept gathered: per-layer units would only cost
 
 
 @pytest.mark.slow

@@ -130,7 +130,8 @@ def test_two_ranks_end_to_end(tiny_model_dir, tmp_path):
     torchrun("ppo.py", "--model", str(tiny_model_dir), "--out-dir", str(tmp_path), "--exp-name", "e2e",
              "--reward-fn", "tests.test_ppo:letters", "--num-steps", "2", "--max-new-tokens", "8",
              "--prompts-per-step", "4", "--num-minibatches", "2", "--num-epochs", "1", "--eval-every", "0",
-             "--kl-target", "6", "--critic-warmup-steps", "1", "--bootstrap-truncated", "--no-chat-template", nproc=2)
+             "--kl-target", "6", "--critic-warmup-steps", "1", "--bootstrap-truncated", "--no-chat-template",
+             "--fsdp.keep-gathered", "on", nproc=2)
     rows = read_metrics(tmp_path / "e2e")
     assert [r["step"] for r in rows] == [0, 1]
     keys = ("train/policy_loss", "train/value_loss", "train/vf_clip_frac", "train/kl_coef", "train/approx_kl",

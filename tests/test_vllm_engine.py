@@ -348,6 +348,17 @@ def test_hf_export_loads_in_vllm_with_the_trainers_greedy_tokens(engine_and_mode
     saved = load_file(str(out / "model.safetensors"))
     for name, t in iter_full_params(policy, prefix="lm."):  # the export holds exactly the trainer's weights
         assert torch.equal(saved[name].cuda(), t.to(torch.bfloat16)), name
+    # The refit path of a model kept gathered (--fsdp.keep-gathered): every unit gathered at once, bf16 copies
+    # that outlive the iterator; the engine refit from it decodes like the export.
+    for name, t in list(iter_full_params(policy, prefix="lm.", gather_all=True)):
+        assert t.dtype == torch.bfloat16 and torch.equal(saved[name].cuda(), t), name
+    engine.wake(["weights"])
+    engine.load_weights(iter_full_params(policy, prefix="lm.", gather_all=True))
+    engine.wake(["kv_cache"])
+    refit = engine.generate(_prompts(), n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=0,
+                            ignore_eos=True)
+    outs += [SimpleNamespace(prompt_token_ids=p, outputs=[SimpleNamespace(token_ids=r)])
+             for p, r in zip(refit.prompt_ids, refit.response_ids)]
     ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).cuda().eval()
     for o in outs:
         p, r = list(o.prompt_token_ids), list(o.outputs[0].token_ids)

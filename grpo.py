@@ -493,12 +493,13 @@ def main(args: Args) -> None:
 
         # ---- 1. generate ------------------------------------------------------------------------------------
         batch = sampler.next_batch()  # this rank's P / world prompts
-        prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}_generate", trace=False)
+        prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}_generate", trace=False,
+                       python=True)  # generation is host-bound: where vLLM's Python time goes
         rollout, texts, prompt_texts, answers, res = generate_and_score(
             engine, batch, G, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
             args.temperature, perf, logprobs=args.tis_cap > 0 or
             (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
-        prof.stop(d.is_main)  # the generate phase alone: its kernel time against its wall time (no trace: too big)
+        prof.stop(d.is_main)  # the generate phase alone: kernel time vs wall time, Python functions (no trace: too big)
         with timed(perf, "sleep"):
             engine.sleep()  # hand the memory to training
         if res.first_error:

@@ -165,21 +165,29 @@ def step_peak_gib() -> float:
 class Profile:
     """torch.profiler over part of one step (`--profile-step`): `p = Profile(on, path)` ... `p.stop(is_main)` writes
     the top kernels by device time to `path`.txt (and prints them) and, with `trace`, a Chrome trace to
-    `path`.json.gz (rank 0). Does nothing when `on` is False."""
+    `path`.json.gz (rank 0). With `python`, cProfile runs alongside and `path`_py.txt gets the Python functions by
+    own time and by cumulative time: where the host time goes in a host-bound phase, which the kernel table cannot
+    show (it slows the profiled step further). Does nothing when `on` is False."""
 
-    def __init__(self, on: bool, path: Path, trace: bool = True):
+    def __init__(self, on: bool, path: Path, trace: bool = True, python: bool = False):
         import torch
-        self.path, self.prof, self.trace = Path(path), None, trace
+        self.path, self.prof, self.trace, self.py = Path(path), None, trace, None
         if on:
             acts = [torch.profiler.ProfilerActivity.CPU] + \
                 ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self.prof = torch.profiler.profile(activities=acts)
             self.prof.__enter__()
+            if python:
+                import cProfile
+                self.py = cProfile.Profile()
+                self.py.enable()
 
     def stop(self, is_main: bool) -> None:
         import torch
         if self.prof is None:
             return
+        if self.py is not None:
+            self.py.disable()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.prof.__exit__(None, None, None)
@@ -191,7 +199,14 @@ class Profile:
             if self.trace:
                 self.prof.export_chrome_trace(str(self.path.with_suffix(".json.gz")))
             print(f"profile ({self.path}.txt{', .json.gz' if self.trace else ''}):\n{table}", flush=True)
-        self.prof = None
+            if self.py is not None:
+                import io
+                import pstats
+                out = io.StringIO()
+                for order in ("tottime", "cumulative"):
+                    pstats.Stats(self.py, stream=out).sort_stats(order).print_stats(40)
+                self.path.with_name(self.path.name + "_py.txt").write_text(out.getvalue())
+        self.prof = self.py = None
 
 
 class Progress:

@@ -61,6 +61,10 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
     assert "update" in learn and "ref_logp" in learn
     assert (tmp_path / "e2e" / "profile_step1.json.gz").exists()
     assert not (tmp_path / "e2e" / "profile_step1_generate.json.gz").exists()
+    py = (tmp_path / "e2e" / "profile_step1_generate_py.txt").read_text()  # the Python functions of generation
+    assert "Ordered by: internal time" in py and "Ordered by: cumulative time" in py
+    assert re.search(r"rollout\.py:\d+\(generate\)", py)  # the engine's generate, with its file and line
+    assert not (tmp_path / "e2e" / "profile_step1_py.txt").exists()
     train = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in train] == [0, 1, 2]
     for r in train:

@@ -235,7 +235,6 @@ class VLLMEngine:
         self.timings: dict[str, float] = {}
         self._asleep: set[str] = set()
         self.weights_discarded = False  # a level-2 sleep threw the weights away and no refit came since
-        self._sleeps = 0
 
         free, total = torch.cuda.mem_get_info(self.device)
         training = torch.cuda.memory_allocated(self.device) if training_bytes_estimate is None \
@@ -358,13 +357,6 @@ class VLLMEngine:
         """Release the GPU: KV cache dropped; weights to CPU (level 1) or discarded (level 2).
         vLLM's LLM.sleep resets the prefix cache first (vllm/entrypoints/llm.py)."""
         t0 = time.perf_counter()
-        self._sleeps += 1
-        if self._sleeps == 2:
-            # vLLM's sleep runs a full gc.collect(), which walks every Python object of the trainer process
-            # (models, compiled graphs, modules). Once, after a whole step has built all of those: collect, then
-            # freeze the survivors so that later collections walk only what each step makes.
-            gc.collect()
-            gc.freeze()
         self.llm.sleep(level=self.args.sleep_level)
         torch.cuda.empty_cache()  # refit buckets and sampler temporaries left in torch's cache
         self._asleep = {"weights", "kv_cache"}

@@ -131,27 +131,6 @@ def test_to_rollout_reads_flat_logprobs():
     assert to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])]).logprobs == [[-0.1, -0.2, -0.3]]
 
 
-def test_sleep_freezes_the_heap_once_after_the_first_step():
-    """vLLM's sleep runs a full gc.collect(); the second sleep (a whole step has built the trainer's heap) collects
-    and freezes what survives, so later sleeps walk only new objects. Nothing else of the engine is needed."""
-    import gc
-    engine = object.__new__(VLLMEngine)  # the sleep logic without vLLM: a stand-in for vllm.LLM
-    engine.args, engine.verbose, engine.timings, engine._sleeps = VLLMArgs(verbose=False), False, {}, 0
-    levels = []
-    engine.llm = SimpleNamespace(sleep=lambda level: levels.append(level))
-    gc.unfreeze()
-    try:
-        engine.sleep()
-        assert gc.get_freeze_count() == 0 and levels == [2] and engine.weights_discarded
-        engine.sleep()
-        assert gc.get_freeze_count() > 0 and levels == [2, 2]
-        n = gc.get_freeze_count()
-        engine.sleep()
-        assert gc.get_freeze_count() == n  # once
-    finally:
-        gc.unfreeze()
-
-
 def test_to_rollout_without_logprobs_and_bad_reason():
     c = SimpleNamespace(index=0, token_ids=[5], finish_reason="stop", logprobs=None)
     assert to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])]).logprobs is None

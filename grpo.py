@@ -518,8 +518,9 @@ def main(args: Args) -> None:
         adv = group_advantages(rewards, G, args.scale_by_std, args.adv_eps)  # (B_rank,) groups never span ranks
         # every rank sees the whole rollout (token ids and scalars are small): the update below balances
         # sequences across ranks by tokens, and the loss normaliser is computed from the global batch.
-        parts = D.all_gather_objects((rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rewards, adv,
-                                      truncated, correct, res.n_errors, res.n_timeouts))
+        with timed(perf, "gather"):  # includes waiting for the slowest rank's generation
+            parts = D.all_gather_objects((rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rewards, adv,
+                                          truncated, correct, res.n_errors, res.n_timeouts))
         prompts = [p for part in parts for p in part[0]]
         responses = [r for part in parts for r in part[1]]
         engine_logp = padded([lp for part in parts for lp in (part[2] or [[]] * len(part[1]))], width)  # (B, T)

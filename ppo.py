@@ -606,8 +606,9 @@ def main(args: Args) -> None:
                                                         zip(prompt_texts, texts, answers)])
         # every rank sees the whole rollout (token ids and scalars are small): the passes below balance
         # sequences across ranks by tokens, and GAE, whitening and the loss normaliser use the global batch.
-        parts = D.all_gather_objects((rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rewards,
-                                      truncated, correct, res.n_errors, res.n_timeouts))
+        with timed(perf, "gather"):  # includes waiting for the slowest rank's generation
+            parts = D.all_gather_objects((rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rewards,
+                                          truncated, correct, res.n_errors, res.n_timeouts))
         prompts = [p for part in parts for p in part[0]]
         responses = [r for part in parts for r in part[1]]
         engine_logp = padded([lp for part in parts for lp in (part[2] or [[]] * len(part[1]))], width)  # (B, T)

@@ -296,7 +296,7 @@ def report(results: dict, out: Path) -> None:
     if prompts:
         print(f"prompts: {prompts}")
     cols = ["step_s", "generate_s", "score_s", "ref_logp_s", "old_logp_s", "update_s", "refit_s", "wake_weights_s",
-            "wake_kv_s", "sleep_s", "tokens_per_s_per_gpu", "peak_mem_gib", "gpu_mem_peak_gib"]
+            "wake_kv_s", "sleep_s", "gather_s", "tokens_per_s_per_gpu", "peak_mem_gib", "gpu_mem_peak_gib"]
     runs = [r for r in results["runs"] if r.get("kind") == "grpo"]
     extra = sorted({k for r in runs for k in r if k.startswith(("mfu", "train_mfu", "tflops"))})
     w = {c: max(10, len(c)) + 2 for c in cols + extra}

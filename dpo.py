@@ -51,7 +51,7 @@ import tyro
 from common import checkpoint as C
 from common import dist as D
 from common.data import load_rows
-from common.fsdp import FSDPArgs, clip_grad_norm, reshard, resolve_keep_gathered, shard
+from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
 from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import shard_microbatches
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
@@ -266,7 +266,6 @@ def main(args: Args) -> None:
     tok = load_tokenizer(model_path)
     policy = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
                    root=TokenLogProbs(lm, args.logprob_impl))
-    keep_gathered = resolve_keep_gathered(args.fsdp, lm, d.device)
     load_ref = lambda: shard(rlm := load_causal_lm(ref_path, args.attn_impl, trainable=False), args.fsdp, d.device,
                              root=TokenLogProbs(rlm, args.logprob_impl))
     ref_model = load_ref() if args.uses_reference and not args.ref_cache else None
@@ -342,7 +341,7 @@ def main(args: Args) -> None:
     geometry = {
         "ranks": d.world_size, "pairs / step": args.pairs_per_step, "sequences / step": args.sequences_per_step,
         "pairs / rank / step": args.pairs_per_step / d.world_size,
-        "micro-batch token budget": args.max_tokens_per_microbatch, "FSDP keep gathered": keep_gathered,
+        "micro-batch token budget": args.max_tokens_per_microbatch, "FSDP keep gathered": policy.keep_gathered,
         "grad accumulation / rank (mean)": math.ceil(args.pairs_per_step / d.world_size * mean_pair
                                                      / args.max_tokens_per_microbatch),
         "train pairs (dropped too long)": f"{len(train)} ({dropped})",
@@ -385,7 +384,7 @@ def main(args: Args) -> None:
             for i, ids in enumerate(micro):
                 last = i == len(micro) - 1
                 policy.set_requires_gradient_sync(last)  # reduce-scatter once per step
-                policy.set_reshard_after_backward(last or not keep_gathered)  # all-gather once per step
+                policy.set_reshard_after_backward(last or not policy.keep_gathered)  # all-gather once per step
                 loss, rewards, logp = pair_losses(policy, pairs, ids, ref_table, ref_model, args, d.device)
                 # Mean over the pairs of the GLOBAL batch, so the gradient does not depend on the split into
                 # micro-batches and ranks; FSDP averages gradients over ranks, so undo that (as grpo.py does).

@@ -42,8 +42,7 @@ from common import dist as D
 from common.attention import attn_kwargs, describe, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
 from common.flops import PEAK_FLOPS, batch_train_flops, mfu
-from common.fsdp import (FSDPArgs, clip_grad_norm, iter_full_params, reshard, resolve_keep_gathered, resolve_unit,
-                          shard)
+from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, reshard, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
@@ -401,7 +400,6 @@ def main(args: Args) -> None:
     stop_ids = eos_token_ids(tok, model_path)
     policy = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
                    root=TokenLogProbs(lm, args.logprob_impl))
-    keep_gathered = resolve_keep_gathered(args.fsdp, lm, d.device)
     ref = None
     if args.kl_coef > 0:  # the frozen reference, sharded the same way, only when the KL term is on
         ref = shard(rlm := load_causal_lm(model_path, args.attn_impl, trainable=False), args.fsdp, d.device,
@@ -454,7 +452,7 @@ def main(args: Args) -> None:
         "sequences / mini-batch / rank": seqs_per_rank_mb,
         "micro-batch token budget": args.max_tokens_per_microbatch,
         "no-grad forward token budget": args.forward_token_budget,
-        "FSDP unit": resolve_unit(args.fsdp, d.world_size, keep_gathered), "FSDP keep gathered": keep_gathered,
+        "FSDP unit": policy.fsdp_unit, "FSDP keep gathered": policy.keep_gathered,
         "trainer attention": describe(d.device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
         "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.max_new_tokens)
                                                     / args.max_tokens_per_microbatch),
@@ -477,7 +475,7 @@ def main(args: Args) -> None:
             engine.wake(["weights"])
         if engine_stale or engine.weights_discarded:  # trained since the last refit, or a level-2 sleep
             with timed(perf, "refit"):
-                engine.load_weights(iter_full_params(policy, prefix="lm.", gather_all=keep_gathered))
+                engine.load_weights(iter_full_params(policy, prefix="lm.", gather_all=policy.keep_gathered))
         with timed(perf, "wake_kv"):
             engine.wake(["kv_cache"])
         metrics = {}
@@ -570,7 +568,7 @@ def main(args: Args) -> None:
                         mb = pack(prompts, responses, mb_rows).to(d.device)
                         last = i == len(micro) - 1
                         policy.set_requires_gradient_sync(last)  # reduce-scatter once per mini-batch
-                        policy.set_reshard_after_backward(last or not keep_gathered)  # all-gather once per mini-batch
+                        policy.set_reshard_after_backward(last or not policy.keep_gathered)  # --fsdp.keep-gathered
                         logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature,
                                                scored=mb.pos, **attn_kwargs(mb))
                         if not mb_rows:  # padding micro-batch: the same FSDP calls as the busier ranks, no gradient

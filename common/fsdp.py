@@ -87,8 +87,9 @@ def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Modul
     --fsdp.unit model, everything).
 
     `root` is the module whose forward is called (it may wrap `model`, e.g. common.models.TokenLogProbs, so the
-    LM head weight is all-gathered inside that forward). Returns `root`. With --fsdp.keep-gathered the caller's
-    micro-batch loop keeps the parameters gathered until the last backward (`set_reshard_after_backward`).
+    LM head weight is all-gathered inside that forward). Returns `root`, with what was decided for it:
+    `root.fsdp_unit` ("layer" or "model") and `root.keep_gathered`; with the latter the caller's micro-batch loop
+    keeps the parameters gathered until the last backward (`set_reshard_after_backward(last)`).
     """
     root = model if root is None else root
     world = torch.distributed.get_world_size()
@@ -111,10 +112,12 @@ def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Modul
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(model)
-    if resolve_unit(args, world, keep) == "layer":
+    unit = resolve_unit(args, world, keep)
+    if unit == "layer":
         for layer in layers:
             fully_shard(layer, **kw)
     fully_shard(root, **kw)
+    root.fsdp_unit, root.keep_gathered = unit, keep
     if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
         compile_layers(layers)
     return root
@@ -133,13 +136,17 @@ def compile_layers(layers: list[nn.Module]) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
+def fsdp_units(model: nn.Module) -> list[FSDPModule]:
+    """The modules of `model` that fully_shard made FSDP units (each gathers and frees its parameters together)."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 def reshard(model: nn.Module) -> None:
     """Free every gathered (unsharded) parameter of an FSDP2 model. Call after a forward without backward: FSDP2
     leaves the root, and with reshard_after_forward=False every layer, unsharded, and an optimiser step in
     between would leave those copies stale (the next forward would use them)."""
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    for m in fsdp_units(model):
+        m.reshard()
 
 
 @torch.no_grad()
@@ -157,9 +164,8 @@ def iter_full_params(model: nn.Module, prefix: str = "", gather_all: bool = Fals
     models (a checkpoint or an export wants the float32 master weights, one at a time).
     """
     if gather_all:
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.unshard()
+        for m in fsdp_units(model):
+            m.unshard()
     try:
         for name, p in model.named_parameters():
             if prefix and not name.startswith(prefix):

@@ -4,17 +4,16 @@ whole model as one unit (world of one, CPU).
     python tests/fsdp_driver.py MODEL_DIR OUT.pt
 
 A no-grad pass (as grpo.py's reference / old log-probs), common.fsdp.reshard, a forward and backward, another
-no-grad pass, reshard, the optimiser step; twice, then a final no-grad pass. Saves the final log-probs of each setting (they must be equal:
-no pass used gathered parameters left over from before an optimiser step) and how many FSDP units it made.
+no-grad pass, reshard, the optimiser step; twice, then a final no-grad pass. Saves the final log-probs of each
+setting (they must be equal: no pass used gathered parameters left over from before an optimiser step) and how
+many FSDP units it made.
 """
 import sys
 
 import torch
 
 from common import dist as D
-from torch.distributed.fsdp import FSDPModule
-
-from common.fsdp import FSDPArgs, reshard, shard
+from common.fsdp import FSDPArgs, fsdp_units, reshard, shard
 from common.models import TokenLogProbs, load_causal_lm
 from common.packing import pack
 
@@ -29,7 +28,8 @@ for name, unit, raf in (("layer", "layer", True), ("layer_noraf", "layer", False
     policy = shard(lm := load_causal_lm(model_dir, "sdpa"), FSDPArgs(unit=unit, reshard_after_forward=raf,
                                                                      compile="off"), d.device,
                    root=TokenLogProbs(lm, "torch"))
-    results[name + "_units"] = sum(isinstance(m, FSDPModule) for m in policy.modules())
+    results[name + "_units"] = len(fsdp_units(policy))
+    assert policy.fsdp_unit == ("model" if name == "model" else "layer"), policy.fsdp_unit
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     for _ in range(2):
         with torch.no_grad():

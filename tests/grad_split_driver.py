@@ -8,12 +8,11 @@ compares the gradient across token budgets (1 vs several micro-batches) and rank
 import sys
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import grpo
 from common import dist as D
-from common.fsdp import FSDPArgs, resolve_keep_gathered, shard
+from common.fsdp import FSDPArgs, fsdp_units, shard
 from common.models import TokenLogProbs, load_causal_lm
 from common.packing import pack, shard_microbatches
 
@@ -36,7 +35,6 @@ args = grpo.Args(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, loss_agg=loss_agg,
 # float64 everywhere but the LM head (the reference kernel computes in fp32), so summation order barely matters
 fsdp = FSDPArgs(param_dtype="float64", reduce_dtype="float64", keep_gathered=keep, unit=unit)
 policy = shard(lm := load_causal_lm(model_dir).double(), fsdp, d.device, root=TokenLogProbs(lm, "torch"))
-keep_gathered = resolve_keep_gathered(fsdp, lm, d.device)
 rows = list(range(B))
 normaliser = grpo.loss_normaliser(mask[rows], args.loss_agg, args.max_new_tokens)
 micro = shard_microbatches(lengths, rows, d.world_size, d.rank, budget)
@@ -45,7 +43,7 @@ for i, mb_rows in enumerate(micro):
     mb = pack(prompts, responses, mb_rows)
     last = i == len(micro) - 1
     policy.set_requires_gradient_sync(last)
-    policy.set_reshard_after_backward(last or not keep_gathered)
+    policy.set_reshard_after_backward(last or not policy.keep_gathered)
     sharded_before.append(all(isinstance(p, DTensor) for p in policy.parameters()))
     logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature)
     if not mb_rows:
@@ -60,6 +58,6 @@ grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cl
 n_micro = torch.tensor(float(sum(1 for m in micro if m)))
 if d.is_main:
     torch.save({"grads": grads, "micro_rank0": len(micro), "sharded_before": sharded_before,
-                "units": sum(isinstance(m, FSDPModule) for m in policy.modules()),
+                "units": len(fsdp_units(policy)), "unit": policy.fsdp_unit,
                 "sharded_after": all(isinstance(p, DTensor) for p in policy.parameters())}, out)
 D.cleanup()

@@ -30,6 +30,8 @@ def test_gradient_independent_of_microbatches_and_ranks(tiny_model_dir, tmp_path
     assert res["2rank_micro"]["sharded_before"] == [True] * n  # resharded after every backward
     assert res["2rank_micro"]["units"] == 3 and res["2rank_micro_keep"]["units"] == 1  # auto: per layer / model
     assert res["2rank_micro_keep_layer"]["units"] == 3
+    assert [res[k]["unit"] for k in ("2rank_micro", "2rank_micro_keep", "2rank_micro_keep_layer")] == \
+        ["layer", "model", "layer"]  # what shard() decided, as the scripts read it
     for name in ("2rank_micro_keep", "2rank_micro_keep_layer"):
         assert res[name]["sharded_before"] == [True] + [False] * (n - 1)  # gathered once
         assert res[name]["sharded_after"]  # and sharded again for the optimiser step

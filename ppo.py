@@ -416,6 +416,8 @@ def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed
         rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
                                   top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
                                   stop_token_ids=stop_ids, ignore_eos=args.ignore_eos, logprobs=logprobs)
+    if "generate_cpu" in engine.timings:  # vLLM: CPU seconds of its host loop (close to generate_s: host-bound)
+        perf["generate_cpu_s"] = engine.timings["generate_cpu"]
     with timed(perf, "score"):
         texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
         prompts = [e.prompt_text for e in examples for _ in range(n)]

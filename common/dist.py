@@ -4,6 +4,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,6 +53,46 @@ def init_distributed(device: str = "auto", timeout_min: int = 30) -> Dist:
         dev = torch.device("cpu")
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=timeout_min))
     return Dist(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def cpu_block(local_rank: int, local_world: int, cpus: list[int], core_of: dict[int, int] | None = None) -> list[int]:
+    """The CPUs that rank `local_rank` of the `local_world` ranks on a node binds to: the allowed `cpus` grouped by
+    physical core (`core_of`: cpu -> core id; hyper-thread siblings stay together), the cores cut into `local_world`
+    contiguous blocks of sizes differing by at most one. Fewer cores than ranks: every rank keeps all `cpus`."""
+    core_of = core_of or {c: c for c in cpus}
+    cores: dict[int, list[int]] = {}
+    for c in sorted(cpus):
+        cores.setdefault(core_of.get(c, c), []).append(c)
+    groups = [cores[k] for k in sorted(cores, key=lambda k: min(cores[k]))]
+    if not 0 <= local_rank < local_world:
+        raise ValueError(f"local rank {local_rank} outside a node of {local_world} ranks")
+    if len(groups) < local_world:
+        return sorted(cpus)
+    lo, hi = (len(groups) * local_rank) // local_world, (len(groups) * (local_rank + 1)) // local_world
+    return sorted(c for g in groups[lo:hi] for c in g)
+
+
+def bind_cpus(local_rank: int, local_world: int) -> list[int]:
+    """Bind every thread of this process (and those it starts later) to its own block of the node's CPUs
+    (`cpu_block`), so that host-bound work of one rank (vLLM's scheduler) never shares a core with another's.
+    Returns the block; Linux only (elsewhere a no-op returning [])."""
+    if not hasattr(os, "sched_setaffinity"):
+        return []
+    allowed = sorted(os.sched_getaffinity(0))
+    core_of = {}
+    for c in allowed:
+        try:  # the first sibling names the core; absent in some VMs, then every CPU is its own core
+            sib = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text()
+            core_of[c] = int(sib.replace("-", ",").split(",")[0])
+        except (OSError, ValueError):
+            core_of[c] = c
+    block = cpu_block(local_rank, local_world, allowed, core_of)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), block)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return block
 
 
 def cleanup() -> None:

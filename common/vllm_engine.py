@@ -9,6 +9,7 @@ on CPU in tests/test_vllm_engine.py.
 import gc
 import json
 import os
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from common.dist import bind_cpus
 from common.rollout import Rollout
 
 GiB = 1024**3
@@ -52,6 +54,9 @@ class VLLMArgs:
     --seed + replica index (vLLM's V1 sampler loops over seeded requests: try False if sampling is slow)"""
     refit_bucket_mb: int = 512
     """load_weights hands vLLM the weights in buckets of at most this many MiB (in the engine dtype)"""
+    cpu_bind: bool = False
+    """bind each rank's threads to its own block of the node's CPU cores before the engine starts
+    (common.dist.bind_cpus): generation is host-bound in vLLM's scheduler, one Python thread per rank"""
     verbose: bool = False
     """print the seconds and GPU memory of every generate / sleep / wake / refit"""
 
@@ -178,6 +183,13 @@ def memory_snapshot(device: torch.device | int | None = None) -> dict[str, int]:
             "free": free, "total": total}
 
 
+def _thread_usage() -> tuple[float, int]:
+    """(CPU seconds, involuntary context switches) of the calling thread so far (Linux; the process elsewhere)."""
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime, r.ru_nivcsw
+
+
 def _import_vllm():
     # Both must be set before vLLM is imported: the external launcher requires the in-process engine core,
     # and the FlashInfer sampler is not in our bundle (shared/gpu/README.md).
@@ -233,6 +245,7 @@ class VLLMEngine:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
         self.tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
         self.timings: dict[str, float] = {}
+        self.cpus = bind_cpus(int(os.environ.get("LOCAL_RANK", 0)), local_world) if args.cpu_bind else []
         self._asleep: set[str] = set()
         self.weights_discarded = False  # a level-2 sleep threw the weights away and no refit came since
 
@@ -296,7 +309,7 @@ class VLLMEngine:
         if self.weights_discarded:
             raise RuntimeError("sleep level 2 discarded the weights: call engine.load_weights(...) after "
                                "engine.wake(['weights']) before generating (or use --vllm.sleep-level 1)")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _thread_usage()
         prompts = [[int(t) for t in p] for p in prompt_ids]
         too_long = [len(p) for p in prompts if len(p) >= self.max_model_len]
         if too_long:
@@ -349,6 +362,10 @@ class VLLMEngine:
                               None if rollout.logprobs is None else rollout.logprobs[keep],
                               rollout.finish_reasons[keep])
         dt = self.timings["generate"] = time.perf_counter() - t0
+        # how host-bound it was: the CPU seconds of this (vLLM's) thread, and how often the OS took its core away
+        cpu1 = _thread_usage()
+        self.timings["generate_cpu"] = cpu1[0] - cpu0[0]
+        self.timings["generate_preempted"] = cpu1[1] - cpu0[1]
         new = sum(len(r) for r in rollout.response_ids)
         self._log(f"generate {len(prompts)}x{n} in {dt:.2f}s, {new} new tokens on this rank ({new / dt:.0f}/s)")
         return rollout

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT
 
 from common.rollout import Rollout
 from common.vllm_engine import (GiB, VLLMArgs, VLLMEngine, bucket_by_bytes, check_memory_budget,
@@ -160,6 +161,44 @@ def test_tp_layout_consecutive_groups():
         tp_layout(0, 6, 4)
 
 
+def test_cpu_block_splits_cores_keeping_siblings_together():
+    from common.dist import cpu_block
+    cpus = list(range(32))
+    assert cpu_block(0, 2, cpus) == list(range(16)) and cpu_block(1, 2, cpus) == list(range(16, 32))
+    smt = {c: c % 16 for c in cpus}  # siblings (c, c + 16), as Linux numbers hyper-threads
+    blocks = [cpu_block(r, 2, cpus, smt) for r in range(2)]
+    assert blocks[0] == list(range(8)) + list(range(16, 24)) and blocks[1] == list(range(8, 16)) + list(range(24, 32))
+    three = [cpu_block(r, 3, list(range(8))) for r in range(3)]  # uneven: sizes differ by at most one, no overlap
+    assert sorted(c for b in three for c in b) == list(range(8)) and {len(b) for b in three} == {2, 3}
+    assert cpu_block(1, 4, [5, 9]) == [5, 9]  # fewer cores than ranks: keep them all
+    with pytest.raises(ValueError, match="local rank"):
+        cpu_block(2, 2, cpus)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_bind_cpus_binds_every_thread_of_the_process():
+    """In a child process (binding is process-wide): a thread started before the binding is bound too."""
+    code = """
+import os, threading, time
+from common.dist import bind_cpus, cpu_block
+allowed = sorted(os.sched_getaffinity(0))
+stop = threading.Event()
+t = threading.Thread(target=stop.wait); t.start()
+block = bind_cpus(0, 2)
+assert block and set(block) <= set(allowed), (block, allowed)
+if len(allowed) >= 2:
+    assert len(block) < len(allowed)
+for tid in os.listdir("/proc/self/task"):
+    assert sorted(os.sched_getaffinity(int(tid))) == block, tid
+stop.set(); t.join()
+print("BOUND", block)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert "BOUND" in out.stdout
+
+
 def test_eos_token_ids(tmp_path, qwen_tokenizer):
     from common.models import eos_token_ids
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151643}))
@@ -250,6 +289,9 @@ def test_logprobs_shape_and_sign(engine_and_model):
     for toks, lps, reason in zip(r.response_ids, r.logprobs, r.finish_reasons):
         assert len(lps) == len(toks) > 0 and all(lp <= 1e-6 for lp in lps)
         assert reason in ("stop", "length")
+    # host accounting: CPU seconds of the generating thread, which cannot exceed the wall time it ran in
+    assert 0 < engine.timings["generate_cpu"] <= engine.timings["generate"] + 0.01
+    assert engine.timings["generate_preempted"] >= 0
     again = engine.generate(_prompts(3), n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=1)
     if engine.args.seed_requests:
         assert again.response_ids == r.response_ids  # per-request seeds make sampling reproducible

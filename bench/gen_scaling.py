@@ -1,0 +1,161 @@
+"""How W05's sampling scales across ranks, and what the host does meanwhile (docs/performance.md, issue 7).
+
+grpo.py gives each rank its own vLLM engine and 1/world of the prompts; on W05 two GPUs generated only 1.18x
+faster than one (session 4). This bench separates the causes in one launch: every rank builds its engine as
+grpo.py does, warms it up, then runs phases of W05 sampling (64 prompts x 8 samples, 256 random prompt tokens,
+512 new tokens with ignore_eos, temperature 1) with a gloo barrier before each generate:
+
+  split      every rank generates its 1/world share at once            (grpo.py's generation, strong scaling)
+  alone-r    rank r generates its share, the others idle in a barrier    (no neighbour: contention or not?)
+  full       rank 0 generates all 64 prompts, the others idle            (the 1-GPU workload, same engine)
+  weak       every rank generates all 64 prompts at once
+  split-bound / full-bound   the same after binding each rank to its own CPU block (common.dist.bind_cpus)
+
+Per generate and rank: wall seconds, the CPU seconds of the generating thread, its involuntary context
+switches, and over the machine (from /proc/stat) the CPU seconds busy and stolen by the hypervisor.
+
+    torchrun --standalone --nproc-per-node 2 bench/gen_scaling.py [--repeats 2] [--no-prefix-caching]
+Last line: GEN_SCALING full_s=... split_s=... speedup=... (split_s: the slowest rank, median over repeats)
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.standalone_vllm import W05, make_w05_model, w05_prompts  # noqa: E402
+from common.dist import bind_cpus, init_distributed  # noqa: E402
+from common.vllm_engine import VLLMArgs, VLLMEngine  # noqa: E402
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, stolen) CPU seconds of the whole machine since boot, from /proc/stat (0, 0 where absent)."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (f + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+def host_info(engine: VLLMEngine) -> dict:
+    sib = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
+    nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    info = {"cpus_allowed": len(os.sched_getaffinity(0)), "cpu0_siblings": sib.read_text().strip() if sib.exists() else "?",
+            "numa_nodes": nodes, "threads": sorted(t.name for t in threading.enumerate()),
+            "tasks": len(os.listdir("/proc/self/task")), "omp_threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+    try:
+        p = torch.cuda.get_device_properties(engine.device)
+        bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        info["gpu_pci"] = bus
+        local = Path(f"/sys/bus/pci/devices/{bus}/local_cpulist")
+        info["gpu_local_cpus"] = local.read_text().strip() if local.exists() else "?"
+    except (AttributeError, RuntimeError):
+        pass
+    return info
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--phases", default="split,alone,full,weak,bind,split,full",
+                    help="comma-separated, in order; 'bind' binds every rank to its CPU block for the phases after it")
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "gen_scaling_w05"))
+    ap.add_argument("--json", default="", help="also write every measurement here (rank 0)")
+    a = ap.parse_args()
+
+    d = init_distributed("cuda")
+    gloo = dist.new_group(backend="gloo")  # idle ranks block in it without spinning a core on a GPU stream
+    model = Path(a.model_dir)
+    if d.rank == 0 and not (model / "config.json").exists():
+        make_w05_model(model)
+    dist.barrier(group=gloo)
+    args = VLLMArgs(gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
+                    enable_prefix_caching=a.prefix_caching)
+    engine = VLLMEngine(str(model), args, max_model_len=W05["prompt_len"] + W05["new_tokens"], seed=0)
+    prompts = w05_prompts(W05["num_prompts"], W05["prompt_len"])
+    k = len(prompts) // d.world_size
+    share = prompts[d.rank * k:(d.rank + 1) * k]
+
+    def generate(ps: list, seed: int) -> dict:
+        t0, (busy0, steal0) = time.perf_counter(), machine_cpu()
+        r = engine.generate(ps, n=W05["n"], temperature=W05["temperature"], top_p=1.0, top_k=0,
+                            max_new_tokens=W05["new_tokens"], seed=seed, ignore_eos=True, logprobs=False)
+        torch.cuda.synchronize()
+        wall, (busy1, steal1) = time.perf_counter() - t0, machine_cpu()
+        assert sum(map(len, r.response_ids)) == len(ps) * W05["n"] * W05["new_tokens"]
+        return {"seqs": len(ps) * W05["n"], "wall_s": wall, "thread_cpu_s": engine.timings["generate_cpu"],
+                "preempted": engine.timings["generate_preempted"], "machine_busy_s": busy1 - busy0,
+                "machine_steal_s": steal1 - steal0}
+
+    generate(share, 0)  # warm-up: compilation, CUDA graphs, JIT kernels
+    info = host_info(engine)
+    rows, seed, bound = [], 1, []
+    for phase in a.phases.split(","):
+        if phase == "bind":
+            bound = bind_cpus(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            info["bound_cpus"] = f"{bound[0]}-{bound[-1]} ({len(bound)})" if bound else "-"
+            continue
+        name = phase + ("-bound" if bound else "")
+        plan = {"split": [(r, share) for r in range(d.world_size)], "full": [(0, prompts)],
+                "weak": [(r, prompts) for r in range(d.world_size)]}
+        runs = ([(f"alone-{r}{'-bound' if bound else ''}", [(r, share)]) for r in range(d.world_size)]
+                if phase == "alone" else [(name, plan[phase])])
+        for label, who in runs:
+            for i in range(a.repeats):
+                dist.barrier(group=gloo)
+                mine = [ps for r, ps in who if r == d.rank]
+                if mine:
+                    rows.append({"phase": label, "rank": d.rank, "repeat": i, **generate(mine[0], seed)})
+                seed += 1
+                dist.barrier(group=gloo)
+    everyone = [None] * d.world_size
+    dist.all_gather_object(everyone, (info, rows), group=gloo)
+    if d.rank == 0:
+        for r, (inf, _) in enumerate(everyone):
+            print(f"rank {r} host: {json.dumps(inf)}", flush=True)
+        all_rows = [row for _, rs in everyone for row in rs]
+        print(f"\n{'phase':<18}{'rank':>5}{'rep':>4}{'seqs':>6}{'wall_s':>9}{'thread_cpu_s':>14}{'preempted':>11}"
+              f"{'machine_busy_s':>16}{'steal_s':>9}")
+        for row in sorted(all_rows, key=lambda x: (x["phase"], x["repeat"], x["rank"])):
+            print(f"{row['phase']:<18}{row['rank']:>5}{row['repeat']:>4}{row['seqs']:>6}{row['wall_s']:>9.2f}"
+                  f"{row['thread_cpu_s']:>14.2f}{row['preempted']:>11}{row['machine_busy_s']:>16.2f}"
+                  f"{row['machine_steal_s']:>9.2f}")
+        # per phase: the slowest rank of each repeat (what a step waits for), median over repeats
+        slowest = {}
+        for row in all_rows:
+            key = (row["phase"], row["repeat"])
+            slowest[key] = max(slowest.get(key, 0.0), row["wall_s"])
+        by_phase = {}
+        for (phase, _), s in slowest.items():
+            by_phase.setdefault(phase, []).append(s)
+        med = {p: statistics.median(v) for p, v in by_phase.items()}
+        print("\nslowest rank, median over repeats: " + ", ".join(f"{p} {s:.2f} s" for p, s in med.items()))
+        if a.json:
+            Path(a.json).write_text(json.dumps({"args": vars(a), "hosts": [i for i, _ in everyone], "rows": all_rows,
+                                                "median_slowest_s": med}, indent=1))
+        for suffix in ("", "-bound"):
+            if f"full{suffix}" in med and f"split{suffix}" in med:
+                print(f"GEN_SCALING{suffix.upper().replace('-', '_')} full_s={med['full' + suffix]:.2f} "
+                      f"split_s={med['split' + suffix]:.2f} speedup={med['full' + suffix] / med['split' + suffix]:.2f}",
+                      flush=True)
+    engine.sleep()
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

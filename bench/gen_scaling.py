@@ -9,13 +9,15 @@ grpo.py does, warms it up, then runs phases of W05 sampling (64 prompts x 8 samp
   alone-r    rank r generates its share, the others idle in a barrier    (no neighbour: contention or not?)
   full       rank 0 generates all 64 prompts, the others idle            (the 1-GPU workload, same engine)
   weak       every rank generates all 64 prompts at once
+  sweep      rank 0 alone at 8, 16, 32 and 64 prompts: how the seconds split into per decode step and per sequence
   split-bound / full-bound   the same after binding each rank to its own CPU block (common.dist.bind_cpus)
 
 Per generate and rank: wall seconds, the CPU seconds of the generating thread, its involuntary context
-switches, and over the machine (from /proc/stat) the CPU seconds busy and stolen by the hypervisor.
+switches, the milliseconds of a fixed Python loop run just before (the core's speed), and over the machine (from /proc/stat) the CPU seconds busy and stolen by the hypervisor.
 
     torchrun --standalone --nproc-per-node 2 bench/gen_scaling.py [--repeats 2] [--no-prefix-caching]
-Last line: GEN_SCALING full_s=... split_s=... speedup=... (split_s: the slowest rank, median over repeats)
+    python bench/gen_scaling.py --scan-cpus 2      # each CPU's calibration time, no GPU
+Last line: GEN_SCALING full_s=... split_s=... speedup=... (split_s: the slowest rank, median over calls)
 """
 import argparse
 import json
@@ -32,7 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.standalone_vllm import W05, make_w05_model, w05_prompts  # noqa: E402
-from common.dist import bind_cpus, init_distributed  # noqa: E402
+from common.dist import gpu_local_cpus, bind_cpus, init_distributed  # noqa: E402
 from common.vllm_engine import VLLMArgs, VLLMEngine  # noqa: E402
 
 
@@ -47,6 +49,15 @@ def machine_cpu() -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / hz, steal / hz
 
 
+def cpu_calibration() -> float:
+    """Milliseconds of a fixed pure-Python loop (dict stores, as a scheduler does): this core's speed right now.
+    Timed before every generate, to tell a slower CPU (host load, clock) from more work."""
+    t, box = time.perf_counter(), {}
+    for i in range(300_000):
+        box[i & 1023] = i
+    return (time.perf_counter() - t) * 1e3
+
+
 def host_info(engine: VLLMEngine) -> dict:
     sib = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
     nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
@@ -54,14 +65,8 @@ def host_info(engine: VLLMEngine) -> dict:
             "numa_nodes": nodes, "threads": sorted(t.name for t in threading.enumerate()),
             "tasks": len(os.listdir("/proc/self/task")), "omp_threads": torch.get_num_threads(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
-    try:
-        p = torch.cuda.get_device_properties(engine.device)
-        bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
-        info["gpu_pci"] = bus
-        local = Path(f"/sys/bus/pci/devices/{bus}/local_cpulist")
-        info["gpu_local_cpus"] = local.read_text().strip() if local.exists() else "?"
-    except (AttributeError, RuntimeError):
-        pass
+    near = gpu_local_cpus(engine.device.index)
+    info["gpu_local_cpus"] = f"{min(near)}-{max(near)} ({len(near)})" if near else "?"
     return info
 
 
@@ -74,9 +79,26 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "gen_scaling_w05"))
+    ap.add_argument("--scan-cpus", type=int, default=0,
+                    help="only time the calibration loop pinned to each CPU in turn, this many times, and exit")
+    ap.add_argument("--in-order", action="store_true", help="print the rows in the order they ran")
     ap.add_argument("--json", default="", help="also write every measurement here (rank 0)")
     a = ap.parse_args()
 
+    if a.scan_cpus:  # no GPU needed: how fast is each CPU right now (twice: it changes from moment to moment)
+        allowed = sorted(os.sched_getaffinity(0))
+        for rep in range(a.scan_cpus):
+            speeds = []
+            for c in allowed:
+                os.sched_setaffinity(0, {c})
+                cpu_calibration()  # settle on the core
+                speeds.append((c, cpu_calibration()))
+            print(f"scan {rep} (ms per CPU): " + " ".join(f"{c}:{ms:.0f}" for c, ms in speeds), flush=True)
+        os.sched_setaffinity(0, allowed)
+        return
+    unknown = set(a.phases.split(",")) - {"split", "alone", "full", "weak", "sweep", "bind"}
+    if unknown:
+        ap.error(f"unknown phases {sorted(unknown)}")
     d = init_distributed("cuda")
     gloo = dist.new_group(backend="gloo")  # idle ranks block in it without spinning a core on a GPU stream
     model = Path(a.model_dir)
@@ -91,6 +113,7 @@ def main():
     share = prompts[d.rank * k:(d.rank + 1) * k]
 
     def generate(ps: list, seed: int) -> dict:
+        calib = cpu_calibration()
         t0, (busy0, steal0) = time.perf_counter(), machine_cpu()
         r = engine.generate(ps, n=W05["n"], temperature=W05["temperature"], top_p=1.0, top_k=0,
                             max_new_tokens=W05["new_tokens"], seed=seed, ignore_eos=True, logprobs=False)
@@ -99,7 +122,7 @@ def main():
         assert sum(map(len, r.response_ids)) == len(ps) * W05["n"] * W05["new_tokens"]
         return {"seqs": len(ps) * W05["n"], "wall_s": wall, "thread_cpu_s": engine.timings["generate_cpu"],
                 "preempted": engine.timings["generate_preempted"], "machine_busy_s": busy1 - busy0,
-                "machine_steal_s": steal1 - steal0}
+                "machine_steal_s": steal1 - steal0, "calib_ms": calib}
 
     generate(share, 0)  # warm-up: compilation, CUDA graphs, JIT kernels
     info = host_info(engine)
@@ -112,14 +135,18 @@ def main():
         name = phase + ("-bound" if bound else "")
         plan = {"split": [(r, share) for r in range(d.world_size)], "full": [(0, prompts)],
                 "weak": [(r, prompts) for r in range(d.world_size)]}
-        runs = ([(f"alone-{r}{'-bound' if bound else ''}", [(r, share)]) for r in range(d.world_size)]
-                if phase == "alone" else [(name, plan[phase])])
+        if phase == "alone":
+            runs = [(f"alone-{r}{'-bound' if bound else ''}", [(r, share)]) for r in range(d.world_size)]
+        elif phase == "sweep":  # rank 0 alone at 1/8, 1/4, 1/2 and all of the prompts: seconds = fixed + per sequence
+            runs = [(f"sweep-{p}{'-bound' if bound else ''}", [(0, prompts[:p])]) for p in (8, 16, 32, 64)]
+        else:
+            runs = [(name, plan[phase])]
         for label, who in runs:
             for i in range(a.repeats):
                 dist.barrier(group=gloo)
                 mine = [ps for r, ps in who if r == d.rank]
                 if mine:
-                    rows.append({"phase": label, "rank": d.rank, "repeat": i, **generate(mine[0], seed)})
+                    rows.append({"phase": label, "rank": d.rank, "repeat": i, "call": seed, **generate(mine[0], seed)})
                 seed += 1
                 dist.barrier(group=gloo)
     everyone = [None] * d.world_size
@@ -129,21 +156,22 @@ def main():
             print(f"rank {r} host: {json.dumps(inf)}", flush=True)
         all_rows = [row for _, rs in everyone for row in rs]
         print(f"\n{'phase':<18}{'rank':>5}{'rep':>4}{'seqs':>6}{'wall_s':>9}{'thread_cpu_s':>14}{'preempted':>11}"
-              f"{'machine_busy_s':>16}{'steal_s':>9}")
-        for row in sorted(all_rows, key=lambda x: (x["phase"], x["repeat"], x["rank"])):
+              f"{'machine_busy_s':>16}{'steal_s':>9}{'calib_ms':>10}")
+        order = (lambda x: (x["call"], x["rank"])) if a.in_order else (lambda x: (x["phase"], x["call"], x["rank"]))
+        for row in sorted(all_rows, key=order):
             print(f"{row['phase']:<18}{row['rank']:>5}{row['repeat']:>4}{row['seqs']:>6}{row['wall_s']:>9.2f}"
                   f"{row['thread_cpu_s']:>14.2f}{row['preempted']:>11}{row['machine_busy_s']:>16.2f}"
-                  f"{row['machine_steal_s']:>9.2f}")
+                  f"{row['machine_steal_s']:>9.2f}{row['calib_ms']:>10.1f}")
         # per phase: the slowest rank of each repeat (what a step waits for), median over repeats
         slowest = {}
         for row in all_rows:
-            key = (row["phase"], row["repeat"])
+            key = (row["phase"], row["call"])
             slowest[key] = max(slowest.get(key, 0.0), row["wall_s"])
         by_phase = {}
         for (phase, _), s in slowest.items():
             by_phase.setdefault(phase, []).append(s)
         med = {p: statistics.median(v) for p, v in by_phase.items()}
-        print("\nslowest rank, median over repeats: " + ", ".join(f"{p} {s:.2f} s" for p, s in med.items()))
+        print("\nslowest rank, median over calls: " + ", ".join(f"{p} {s:.2f} s" for p, s in med.items()))
         if a.json:
             Path(a.json).write_text(json.dumps({"args": vars(a), "hosts": [i for i, _ in everyone], "rows": all_rows,
                                                 "median_slowest_s": med}, indent=1))

@@ -72,10 +72,43 @@ def cpu_block(local_rank: int, local_world: int, cpus: list[int], core_of: dict[
     return sorted(c for g in groups[lo:hi] for c in g)
 
 
+def parse_cpulist(text: str) -> set[int]:
+    """Linux CPU list ("0-15,32-47") -> set of CPU ids."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def numa_cpu_block(local_rank: int, gpu_cpus: list[set[int] | None], allowed: list[int],
+                   core_of: dict[int, int] | None = None) -> list[int]:
+    """`cpu_block` within the CPUs near this rank's GPU: `gpu_cpus[r]` are the CPUs local to local rank r's GPU
+    (its NUMA node; None: unknown, then all `allowed`), shared out among the ranks whose GPUs sit on the same node."""
+    def near(r: int) -> frozenset[int]:
+        mine = set(allowed) & (gpu_cpus[r] or set(allowed))
+        return frozenset(mine or allowed)
+    here = near(local_rank)
+    peers = [r for r in range(len(gpu_cpus)) if near(r) == here]
+    return cpu_block(peers.index(local_rank), len(peers), sorted(here), core_of)
+
+
+def gpu_local_cpus(index: int) -> set[int] | None:
+    """The CPUs on the NUMA node of CUDA device `index` (sysfs), or None where that cannot be read."""
+    try:
+        p = torch.cuda.get_device_properties(index)
+        bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        return parse_cpulist(Path(f"/sys/bus/pci/devices/{bus}/local_cpulist").read_text()) or None
+    except (AttributeError, AssertionError, RuntimeError, OSError, ValueError):
+        return None
+
+
 def bind_cpus(local_rank: int, local_world: int) -> list[int]:
-    """Bind every thread of this process (and those it starts later) to its own block of the node's CPUs
-    (`cpu_block`), so that host-bound work of one rank (vLLM's scheduler) never shares a core with another's.
-    Returns the block; Linux only (elsewhere a no-op returning [])."""
+    """Bind every thread of this process (and those it starts later) to its own block of the CPUs near its GPU
+    (`numa_cpu_block`; local rank r drives GPU r), so that host-bound work of one rank (vLLM's scheduler) runs on
+    its GPU's NUMA node and never shares a core with another rank's. Returns the block; Linux only (elsewhere a
+    no-op returning [])."""
     if not hasattr(os, "sched_setaffinity"):
         return []
     allowed = sorted(os.sched_getaffinity(0))
@@ -86,7 +119,9 @@ def bind_cpus(local_rank: int, local_world: int) -> list[int]:
             core_of[c] = int(sib.replace("-", ",").split(",")[0])
         except (OSError, ValueError):
             core_of[c] = c
-    block = cpu_block(local_rank, local_world, allowed, core_of)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_cpus = [gpu_local_cpus(r) if r < gpus else None for r in range(local_world)]
+    block = numa_cpu_block(local_rank, gpu_cpus, allowed, core_of)
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), block)

@@ -175,6 +175,20 @@ def test_cpu_block_splits_cores_keeping_siblings_together():
         cpu_block(2, 2, cpus)
 
 
+def test_numa_cpu_block_stays_near_each_gpu():
+    from common.dist import numa_cpu_block, parse_cpulist
+    assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11} and parse_cpulist("") == set()
+    allowed = list(range(32))
+    sockets = [set(range(16))] * 4 + [set(range(16, 32))] * 4  # 8 GPUs, 4 per socket
+    blocks = [numa_cpu_block(r, sockets, allowed) for r in range(8)]
+    assert blocks[0] == [0, 1, 2, 3] and blocks[5] == [20, 21, 22, 23]  # rank 5: 2nd of the 4 ranks on socket 1
+    assert sorted(c for b in blocks for c in b) == allowed  # a partition: no CPU shared, none left out
+    # unknown locality (a VM): the whole allowed set is split as by cpu_block
+    assert [numa_cpu_block(r, [None, None], allowed) for r in range(2)] == [list(range(16)), list(range(16, 32))]
+    # a GPU's node outside this process's allowed CPUs: fall back to the allowed ones rather than bind to nothing
+    assert numa_cpu_block(0, [{40, 41}], [0, 1]) == [0, 1]
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
 def test_bind_cpus_binds_every_thread_of_the_process():
     """In a child process (binding is process-wide): a thread started before the binding is bound too."""

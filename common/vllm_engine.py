@@ -55,8 +55,9 @@ class VLLMArgs:
     refit_bucket_mb: int = 512
     """load_weights hands vLLM the weights in buckets of at most this many MiB (in the engine dtype)"""
     cpu_bind: bool = False
-    """bind each rank's threads to its own block of the node's CPU cores before the engine starts
-    (common.dist.bind_cpus): generation is host-bound in vLLM's scheduler, one Python thread per rank"""
+    """bind each rank's threads to its own block of the CPU cores near its GPU (NUMA node) before the engine
+    starts (common.dist.bind_cpus): generation is host-bound, one Python thread per rank. For multi-socket nodes;
+    no gain measured on a VM, whose vCPU speeds the host decides (docs/performance.md, session 5)"""
     verbose: bool = False
     """print the seconds and GPU memory of every generate / sleep / wake / refit"""
 

@@ -13,7 +13,8 @@ grpo.py does, warms it up, then runs phases of W05 sampling (64 prompts x 8 samp
   split-bound / full-bound   the same after binding each rank to its own CPU block (common.dist.bind_cpus)
 
 Per generate and rank: wall seconds, the CPU seconds of the generating thread, its involuntary context
-switches, the milliseconds of a fixed Python loop run just before (the core's speed), and over the machine (from /proc/stat) the CPU seconds busy and stolen by the hypervisor.
+switches, the milliseconds of a fixed Python loop run just before (the core's speed: `calib_ms`), and over the
+machine (from /proc/stat) the CPU seconds busy and stolen by the hypervisor.
 
     torchrun --standalone --nproc-per-node 2 bench/gen_scaling.py [--repeats 2] [--no-prefix-caching]
     python bench/gen_scaling.py --scan-cpus 2      # each CPU's calibration time, no GPU

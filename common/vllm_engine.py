@@ -290,7 +290,8 @@ class VLLMEngine:
         self.held_bytes = free - torch.cuda.mem_get_info(self.device)[0]
         self.timings["init"] = time.perf_counter() - t0
         self._log(f"init {self.timings['init']:.1f}s, engine holds {self.held_bytes / GiB:.1f} GiB "
-                  f"(replica {self.dp_rank}/{self.dp_size}, tp rank {self.tp_rank}, tied={self.tied})")
+                  f"(replica {self.dp_rank}/{self.dp_size}, tp rank {self.tp_rank}, tied={self.tied}"
+                  + (f", bound to {len(self.cpus)} CPUs {self.cpus[0]}-{self.cpus[-1]})" if self.cpus else ")"))
 
     def _log(self, msg: str) -> None:
         if self.verbose:

@@ -16,6 +16,7 @@ Sub-runs, each logged to <out>/<name>.log; a failure is reported and the next on
 
     python bench/w05.py --tokenizer-tar .bench/qwen2.5-tokenizer.tar.xz --gsm8k .bench/gsm8k-train.jsonl
     python bench/w05.py --tokenizer-tar ... --nproc 1,2 --attn-impl sdpa,varlen --trl
+    python bench/w05.py --tokenizer-tar ... --nproc 1,2 --rounds 2 --only grpo   # scaling, runs interleaved
     python bench/w05.py --tokenizer-tar ... --only standalone        # one sub-run (the 10-minute call limit)
 Writes <out>/summary.json; out is $OUT when set, else --out.
 """
@@ -190,6 +191,7 @@ def grpo_summary(metrics: Path) -> dict:
     keys = sorted({k for r in warm for k in r if k.startswith("perf/")})
     s = {k[len("perf/"):]: statistics.median(r[k] for r in warm if k in r) for k in keys}
     s["steps"] = [round(r["perf/step_s"], 2) for r in rows]
+    s["warm_steps"] = [r["perf/step_s"] for r in warm]
     if rows and any("perf/peak_mem_gib" in r for r in rows):
         s["peak_mem_gib"] = max(r.get("perf/peak_mem_gib", 0) for r in rows)
     s["logprob_gap_mean"] = statistics.median(r["rollout/logprob_gap_mean"] for r in warm) \
@@ -208,6 +210,9 @@ def main():
     ap.add_argument("--gsm8k", default=None, help="GSM8K train.jsonl (default: random-token prompts)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="0.5b: W05; 7b: W7B-2 (bench/w7b.sh)")
     ap.add_argument("--nproc", default="1", help="GPUs per grpo/TRL run; a list runs each (scaling): 1,2")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the --nproc list this many times, alternating (1,2,1,2): on a host whose speed drifts "
+                         "(docs/performance.md, session 5) the scaling is then compared over interleaved runs")
     ap.add_argument("--attn-impl", default=None, help="grpo --attn-impl, a list runs each (default: varlen if "
                     "grpo.py registers it, else sdpa)")
     ap.add_argument("--num-steps", type=int, default=4)
@@ -245,9 +250,9 @@ def main():
     results["runs"].append(b)
 
     if "grpo" in todo:
-        for n in nprocs:
+        for n, k in [(n, k) for k in range(a.rounds) for n in nprocs]:
             for attn in attns:
-                name = f"grpo-{attn}-{n}gpu"
+                name = f"grpo-{attn}-{n}gpu" + (f"-r{k}" if a.rounds > 1 else "")
                 cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "grpo.py",
                        "--model", str(model), "--dataset", str(prompts), "--no-chat-template", "--instruction", "",
                        "--max-prompt-tokens", str(W05["prompt_tokens"]), "--max-new-tokens", str(W05["new_tokens"]),
@@ -259,7 +264,7 @@ def main():
                        "--vllm.max-num-seqs", "512", "--vllm.gpu-memory-utilization", str(a.gpu_memory_utilization),
                        "--out-dir", str(out), "--exp-name", name] + a.grpo_extra.split()
                 r = run_sub(name, cmd, out, a.timeout)
-                r |= {"kind": "grpo", "nproc": n, "attn": attn, **grpo_summary(out / name / "metrics.jsonl")}
+                r |= {"kind": "grpo", "nproc": n, "attn": attn, "round": k, **grpo_summary(out / name / "metrics.jsonl")}
                 results["runs"].append(r)
 
     if "standalone" in todo:
@@ -286,6 +291,27 @@ def main():
             results["runs"].append(r)
 
     report(results, out)
+
+
+def scaling_lines(runs: list[dict]) -> list[str]:
+    """Per attention kernel and GPU count above one: the 1-GPU over the N-GPU step time, from the median of all
+    warm steps pooled over rounds, and round by round (runs of one round ran minutes apart, not at once)."""
+    lines = []
+    for attn in sorted({r["attn"] for r in runs}):
+        by_n: dict[int, dict[int, list[float]]] = {}
+        for r in runs:
+            if r["attn"] == attn and r.get("warm_steps"):
+                by_n.setdefault(r["nproc"], {}).setdefault(r.get("round", 0), []).extend(r["warm_steps"])
+        if 1 not in by_n:
+            continue
+        one = statistics.median(t for ts in by_n[1].values() for t in ts)
+        for n in sorted(k for k in by_n if k > 1):
+            many = statistics.median(t for ts in by_n[n].values() for t in ts)
+            per_round = [statistics.median(by_n[1][k]) / statistics.median(by_n[n][k])
+                         for k in sorted(by_n[n]) if k in by_n[1]]
+            lines.append(f"scaling {attn} 1 -> {n} GPUs: {one:.2f} / {many:.2f} s = {one / many:.2f}x "
+                         f"(pooled warm steps); per round " + ", ".join(f"{x:.2f}x" for x in per_round))
+    return lines
 
 
 def report(results: dict, out: Path) -> None:
@@ -321,6 +347,8 @@ def report(results: dict, out: Path) -> None:
             if r.get("nproc") == t.get("nproc") and r.get("step_s") and t.get("median_warm_s"):
                 print(f"  {r['name']} step {r['step_s']:.2f} s vs TRL {t['median_warm_s']:.2f} s: "
                       f"{t['median_warm_s'] / r['step_s']:.2f}x")
+    for line in scaling_lines(runs):
+        print(line)
     failed = [r["name"] for r in results["runs"] if not r["ok"]]
     print(f"failed sub-runs: {failed or 'none'}")
 

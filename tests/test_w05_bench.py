@@ -1,0 +1,24 @@
+"""bench/w05.py's summaries (CPU): which steps count as warm, and the 1 -> N GPU scaling over interleaved rounds."""
+import json
+
+from bench.w05 import grpo_summary, scaling_lines
+
+
+def test_grpo_summary_drops_step_zero_and_the_profiled_step(tmp_path):
+    rows = [{"step": s, "perf/step_s": t, "perf/generate_s": t / 2} for s, t in enumerate([30.0, 10.0, 12.0, 50.0, 11.0])]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps({"profile_step": 3}))
+    s = grpo_summary(tmp_path / "metrics.jsonl")
+    assert s["warm_steps"] == [10.0, 12.0, 11.0] and s["step_s"] == 11.0 and s["generate_s"] == 5.5
+    assert s["steps"] == [30.0, 10.0, 12.0, 50.0, 11.0]
+
+
+def test_scaling_pools_rounds_and_reports_each():
+    runs = [{"attn": "varlen", "nproc": 1, "round": 0, "warm_steps": [10.0, 10.0]},
+            {"attn": "varlen", "nproc": 2, "round": 0, "warm_steps": [5.0, 5.0]},
+            {"attn": "varlen", "nproc": 1, "round": 1, "warm_steps": [14.0, 14.0]},
+            {"attn": "varlen", "nproc": 2, "round": 1, "warm_steps": [10.0, 10.0]},
+            {"attn": "sdpa", "nproc": 2, "round": 0, "warm_steps": [6.0]}]  # no 1-GPU run: no line
+    (line,) = scaling_lines(runs)
+    # pooled: median(10, 10, 14, 14) = 12 over median(5, 5, 10, 10) = 7.5; rounds: 2.00x and 1.40x
+    assert line == "scaling varlen 1 -> 2 GPUs: 12.00 / 7.50 s = 1.60x (pooled warm steps); per round 2.00x, 1.40x"

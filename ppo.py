@@ -396,7 +396,8 @@ def sequence_values(critic, prompts, responses, lengths, rows, world, rank, budg
 @torch.no_grad()
 def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, budget, temperature, width, device):
     """log pi(response token) for `rows` of the global batch, computed across ranks (each takes a balanced share)
-    and summed back so every rank holds the (len(rows), width) result."""
+    and summed back so every rank holds the (len(rows), width) result. world=1, rank=0 on one of several ranks:
+    all of `rows` on this rank and no collective (a replicated model)."""
     out = torch.zeros(len(prompts), width, device=device)
     for mb_rows in shard_microbatches(lengths, rows, world, rank, budget):
         mb = pack(prompts, responses, mb_rows).to(device)
@@ -404,7 +405,7 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
         if mb_rows:
             out[mb.index] = mb.unpack(logp, width)
     reshard(model)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
-    return D.all_reduce(out)[rows]
+    return (D.all_reduce(out) if world > 1 else out)[rows]  # world 1: this rank's rows alone, no collective
 
 
 # Same as grpo.py:generate_and_score

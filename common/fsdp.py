@@ -72,14 +72,20 @@ def compute_dtype(args: FSDPArgs, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def small_on_gpu(args: FSDPArgs, model: nn.Module, device: torch.device) -> bool:
+    """Whether one whole copy of `model` in the compute dtype takes under 5 % of the GPU's memory (a 0.5B-3B model
+    on an H200); False on CPU and with CPU offload (which says memory is short)."""
+    if device.type != "cuda" or args.cpu_offload:
+        return False
+    whole = sum(p.numel() for p in model.parameters()) * compute_dtype(args, device).itemsize
+    return whole < 0.05 * torch.cuda.get_device_properties(device).total_memory
+
+
 def resolve_keep_gathered(args: FSDPArgs, model: nn.Module, device: torch.device) -> bool:
     """--fsdp.keep-gathered auto -> on for a GPU when the gathered model takes under 5 % of its memory."""
     if args.keep_gathered != "auto":
         return args.keep_gathered == "on"
-    if device.type != "cuda" or args.cpu_offload:
-        return False
-    gathered = sum(p.numel() for p in model.parameters()) * compute_dtype(args, device).itemsize
-    return gathered < 0.05 * torch.cuda.get_device_properties(device).total_memory
+    return small_on_gpu(args, model, device)
 
 
 def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Module | None = None) -> nn.Module:
@@ -120,6 +126,22 @@ def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Modul
     root.fsdp_unit, root.keep_gathered = unit, keep
     if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
         compile_layers(layers)
+    return root
+
+
+def replicate(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Module | None = None) -> nn.Module:
+    """A frozen model whole on every rank instead of sharded: its forward runs no collective, so a rank can run it
+    while the others are still busy (grpo.py scores its own rollout with the reference before the gather).
+    Parameters in the dtype shard() would compute in, layers compiled as shard() would. Returns `root`."""
+    root = model if root is None else root
+    if any(p.requires_grad for p in model.parameters()):
+        raise ValueError("replicate() is for frozen models (the reference); shard() a model that trains")
+    for p in model.parameters():
+        p.data = p.data.to(compute_dtype(args, device))  # buffers (RoPE's inv_freq) stay as they are
+    root.to(device)
+    root.fsdp_unit, root.keep_gathered = "replicated", True
+    if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
+        compile_layers(decoder_layers(model))
     return root
 
 

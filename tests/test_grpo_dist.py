@@ -106,3 +106,25 @@ def test_learning_toy_task(tiny_model_dir, tmp_path):
     assert len(rewards) == 8
     first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
     assert last > first + 0.1, rewards
+
+
+@pytest.mark.slow
+def test_replicated_reference_scores_before_the_gather_same_run(tiny_model_dir, tmp_path):
+    """--reference replicated (a whole reference per rank, each scoring its own rollout before the gather) trains
+    exactly as the sharded reference does: same KL, loss and gradient norms, step by step, on 2 ranks."""
+    rows = {}
+    for placement in ("sharded", "replicated"):
+        p = torchrun("grpo.py", "--model", str(tiny_model_dir), "--num-steps", "2", "--prompts-per-step", "4",
+                     "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "0", "--kl-coef", "0.05",
+                     "--num-minibatches", "2", "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-3",
+                     "--reference", placement, "--out-dir", str(tmp_path), "--exp-name", placement, nproc=2)
+        assert re.search(r"reference model\W+" + {"sharded": "sharded", "replicated": "replicated, scored"}[placement],
+                         p.stdout)
+        rows[placement] = [r for r in read_metrics(tmp_path / placement) if "reward/mean" in r]
+    assert [r["step"] for r in rows["replicated"]] == [0, 1]
+    assert rows["sharded"][-1]["train/kl"] > 0  # the KL term is live (it moves after the first mini-batch)
+    for a, b in zip(rows["sharded"], rows["replicated"]):
+        assert a["reward/mean"] == b["reward/mean"]  # the same rollouts
+        for k in ("train/kl", "train/loss", "train/grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
+        assert b["perf/ref_logp_s"] > 0

@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT
 
 from common.rollout import Rollout
-from common.vllm_engine import (GiB, VLLMArgs, VLLMEngine, bucket_by_bytes, check_memory_budget,
+from common.vllm_engine import (GiB, VLLMArgs, VLLMEngine, bucket_by_bytes, check_memory_budget, kv_cache_bytes,
                                 remap_tied, request_seeds, to_rollout, tp_layout)
 
 HAS_GPU_VLLM = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
@@ -140,6 +140,42 @@ def test_to_rollout_without_logprobs_and_bad_reason():
         to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])])
 
 
+# ---- KV cache sizing ---------------------------------------------------------------------------------------------
+
+def test_kv_cache_bytes_equals_what_transformers_caches():
+    """The formula against a real cache: a tiny GQA Qwen2's past_key_values after T tokens, in bf16."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    T = 7
+    with torch.no_grad():
+        cache = model(torch.zeros(1, T, dtype=torch.long), use_cache=True).past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert kv_cache_bytes(cfg.to_dict(), 1, T, 2, block_size=1, margin=1.0) == held
+
+
+def test_kv_cache_bytes_w05_whole_blocks_and_margin():
+    qwen05 = {"num_hidden_layers": 24, "num_attention_heads": 14, "hidden_size": 896, "num_key_value_heads": 2,
+              "sliding_window": 32768, "use_sliding_window": False, "layer_types": ["full_attention"] * 24}
+    per_token = 24 * 2 * 2 * 64 * 2  # layers x (K, V) x kv heads x head_dim x bf16
+    assert kv_cache_bytes(qwen05, 512, 768, 2, margin=1.0) == 512 * 768 * per_token
+    assert kv_cache_bytes(qwen05, 512, 770, 2, margin=1.0) == 512 * 784 * per_token  # 49 blocks of 16
+    assert kv_cache_bytes(qwen05, 512, 768, 2) == int(512 * 768 * per_token * 1.1)
+    assert kv_cache_bytes({"text_config": qwen05}, 1, 16, 2, margin=1.0) == 16 * per_token  # multimodal nesting
+
+
+@pytest.mark.parametrize("extra", [{"sliding_window": 4096},  # Mistral: windowed unless use_sliding_window false
+                                   {"layer_types": ["sliding_attention", "full_attention"]},  # Gemma-style
+                                   {"kv_lora_rank": 512},  # DeepSeek MLA
+                                   {"layers_block_type": ["mamba", "attention"]}])
+def test_kv_cache_bytes_leaves_other_attention_to_vllm(extra):
+    base = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    assert kv_cache_bytes(base, 1, 16, 2) is not None
+    assert kv_cache_bytes(base | extra, 1, 16, 2) is None
+    assert kv_cache_bytes({"num_hidden_layers": 2}, 1, 16, 2) is None  # not a decoder config we can read
+
+
 # ---- seeds, layout, eos --------------------------------------------------------------------------------------------
 
 def test_request_seeds_distinct_across_prompts_samples_replicas_steps():
@@ -247,8 +283,10 @@ def engine_and_model(tmp_path_factory):
         init_distributed("cuda")
     path = tmp_path_factory.mktemp("tiny_qwen2")
     _tiny_qwen2(path, seed=0)
-    engine = VLLMEngine(str(path), VLLMArgs(gpu_memory_utilization=0.3, max_num_seqs=64, verbose=True),
-                        max_model_len=128, seed=0)
+    # vLLM's own KV sizing (no fit): a pool large against the rest, as at W05 scale, for the sleep test's share;
+    # the fitted pool is what every W05 run uses (bench/w05.py; vLLM logs its size)
+    engine = VLLMEngine(str(path), VLLMArgs(gpu_memory_utilization=0.3, max_num_seqs=64, kv_cache_fit=False,
+                                            verbose=True), max_model_len=128, seed=0)
     perturbed = _tiny_qwen2(tmp_path_factory.mktemp("perturbed"), seed=1)  # fresh random weights
     yield engine, perturbed
 

@@ -225,6 +225,8 @@ def main():
     ap.add_argument("--timeout", type=int, default=560, help="seconds per sub-run")
     ap.add_argument("--work-dir", default="/tmp/w05", help="model folder, tokenizer and prompts (reused)")
     ap.add_argument("--out", default="bench_out/w05", help="logs and summary (ignored when $OUT is set)")
+    ap.add_argument("--pool", nargs="+", metavar="SUMMARY", help="run nothing: pool the grpo runs of these "
+                    "summary.json files (each file's rounds kept apart) and print the scaling and phase medians")
     ap.add_argument("--setup-only", action="store_true", help=argparse.SUPPRESS)  # the build sub-run
     argv = sys.argv[1:]  # `--grpo-extra "--flag ..."`: argparse would take the value for an option of its own
     for i in range(len(argv) - 1):
@@ -233,6 +235,10 @@ def main():
     a = ap.parse_args([x for x in argv if x != ""])
     if a.setup_only:
         return setup(a)
+    if a.pool:
+        for line in pool_lines([json.loads(Path(p).read_text()) for p in a.pool]):
+            print(line)
+        return
 
     out = Path(os.environ.get("OUT") or a.out) / f"w05-{a.shape}"
     out.mkdir(parents=True, exist_ok=True)
@@ -311,6 +317,24 @@ def scaling_lines(runs: list[dict]) -> list[str]:
                          for k in sorted(by_n[n]) if k in by_n[1]]
             lines.append(f"scaling {attn} 1 -> {n} GPUs: {one:.2f} / {many:.2f} s = {one / many:.2f}x "
                          f"(pooled warm steps); per round " + ", ".join(f"{x:.2f}x" for x in per_round))
+    return lines
+
+
+POOLED_PHASES = ("step_s", "generate_s", "ref_logp_s", "update_s", "gather_s", "refit_s", "wake_weights_s",
+                 "wake_kv_s", "sleep_s", "score_s")
+
+
+def pool_lines(summaries: list[dict]) -> list[str]:
+    """The grpo runs of several bench/w05.py summaries as one set of rounds (round k of file i is round (i, k)):
+    the scaling lines, then per GPU count the median over runs of each phase's per-run median (seconds)."""
+    runs = [r | {"round": (i, r.get("round", 0))} for i, s in enumerate(summaries)
+            for r in s["runs"] if r.get("kind") == "grpo" and r.get("warm_steps")]
+    lines = scaling_lines(runs)
+    for n in sorted({r["nproc"] for r in runs}):
+        mine = [r for r in runs if r["nproc"] == n]
+        med = {k: statistics.median(r[k] for r in mine) for k in POOLED_PHASES if all(r.get(k) is not None for r in mine)}
+        lines.append(f"{n} GPU(s), {len(mine)} runs, {sum(len(r['warm_steps']) for r in mine)} warm steps: "
+                     + " ".join(f"{k} {v:.2f}" for k, v in med.items()))
     return lines
 
 

@@ -1,7 +1,7 @@
 """bench/w05.py's summaries (CPU): which steps count as warm, and the 1 -> N GPU scaling over interleaved rounds."""
 import json
 
-from bench.w05 import grpo_summary, scaling_lines
+from bench.w05 import grpo_summary, pool_lines, scaling_lines
 
 
 def test_grpo_summary_drops_step_zero_and_the_profiled_step(tmp_path):
@@ -22,3 +22,16 @@ def test_scaling_pools_rounds_and_reports_each():
     (line,) = scaling_lines(runs)
     # pooled: median(10, 10, 14, 14) = 12 over median(5, 5, 10, 10) = 7.5; rounds: 2.00x and 1.40x
     assert line == "scaling varlen 1 -> 2 GPUs: 12.00 / 7.50 s = 1.60x (pooled warm steps); per round 2.00x, 1.40x"
+
+
+def test_pool_keeps_each_files_rounds_apart_and_takes_phase_medians():
+    run = lambda n, k, steps, gen: {"kind": "grpo", "attn": "varlen", "nproc": n, "round": k, "warm_steps": steps,
+                                     "step_s": steps[0], "generate_s": gen, "update_s": 1.0}
+    a = {"runs": [{"name": "build"}, run(2, 0, [5.0], 2.0), run(1, 0, [10.0], 6.0),
+                  run(2, 1, [8.0], 4.0), run(1, 1, [12.0], 8.0)]}
+    b = {"runs": [run(2, 0, [6.0], 3.0), run(1, 0, [9.0], 5.0), {"kind": "grpo", "nproc": 1, "warm_steps": []}]}
+    scaling, one, two = pool_lines([a, b])
+    # pooled: median(10, 12, 9) = 10 over median(5, 8, 6) = 6; rounds (0,0), (0,1), (1,0): 2.00x, 1.50x, 1.50x
+    assert scaling == "scaling varlen 1 -> 2 GPUs: 10.00 / 6.00 s = 1.67x (pooled warm steps); per round 2.00x, 1.50x, 1.50x"
+    assert one == "1 GPU(s), 3 runs, 3 warm steps: step_s 10.00 generate_s 6.00 update_s 1.00"
+    assert two.startswith("2 GPU(s), 3 runs, 3 warm steps: step_s 6.00 generate_s 3.00")

@@ -536,7 +536,9 @@ def main(args: Args) -> None:
         # sequences across ranks by tokens, and the loss normaliser is computed from the global batch.
         with timed(perf, "gather"):  # includes waiting for the slowest rank's generation
             parts = D.all_gather_objects((rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rewards, adv,
-                                          truncated, correct, res.n_errors, res.n_timeouts, own_ref))
+                                          truncated, correct, res.n_errors, res.n_timeouts, own_ref,
+                                          perf["generate_s"]))
+        perf["generate_slowest_s"] = max(part[10] for part in parts)  # the rank every other one waits for
         prompts = [p for part in parts for p in part[0]]
         responses = [r for part in parts for r in part[1]]
         engine_logp = padded([lp for part in parts for lp in (part[2] or [[]] * len(part[1]))], width)  # (B, T)

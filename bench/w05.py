@@ -320,7 +320,7 @@ def scaling_lines(runs: list[dict]) -> list[str]:
     return lines
 
 
-POOLED_PHASES = ("step_s", "generate_s", "ref_logp_s", "update_s", "gather_s", "refit_s", "wake_weights_s",
+POOLED_PHASES = ("step_s", "generate_s", "generate_slowest_s", "ref_logp_s", "update_s", "gather_s", "refit_s", "wake_weights_s",
                  "wake_kv_s", "sleep_s", "score_s")
 
 
@@ -345,7 +345,7 @@ def report(results: dict, out: Path) -> None:
     prompts = results["runs"][0].get("prompts")
     if prompts:
         print(f"prompts: {prompts}")
-    cols = ["step_s", "generate_s", "generate_cpu_s", "score_s", "ref_logp_s", "old_logp_s", "update_s", "refit_s", "wake_weights_s",
+    cols = ["step_s", "generate_s", "generate_slowest_s", "generate_cpu_s", "score_s", "ref_logp_s", "old_logp_s", "update_s", "refit_s", "wake_weights_s",
             "wake_kv_s", "sleep_s", "gather_s", "tokens_per_s_per_gpu", "peak_mem_gib", "gpu_mem_peak_gib"]
     runs = [r for r in results["runs"] if r.get("kind") == "grpo"]
     extra = sorted({k for r in runs for k in r if k.startswith(("mfu", "train_mfu", "tflops"))})

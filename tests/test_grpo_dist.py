@@ -82,6 +82,7 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
         new_tokens = r["rollout/response_len_mean"] * 8
         assert r["perf/generate_tokens_per_s_per_gpu"] == pytest.approx(new_tokens / r["perf/generate_s"] / 2)
         assert r["perf/gather_s"] > 0  # sharing the rollout across the ranks is timed apart
+        assert r["perf/generate_slowest_s"] >= r["perf/generate_s"]  # rank 0's own time, or a slower rank's
         assert r["perf/update_tokens_per_s_per_gpu"] * r["perf/update_s"] == pytest.approx(
             r["perf/ref_logp_tokens_per_s_per_gpu"] * r["perf/ref_logp_s"])  # the same tokens, one epoch
     assert all(r["train/kl"] >= 0 for r in train)  # k3 is non-negative

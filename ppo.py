@@ -54,7 +54,7 @@ from common import dist as D
 from common.attention import attn_kwargs, describe, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
 from common.flops import PEAK_FLOPS, batch_train_flops, mfu
-from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, reshard, shard
+from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, replicate, reshard, shard, small_on_gpu
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
@@ -158,6 +158,10 @@ class Args:
     """c1: weight of the value loss (separate critic: it only matters through the critic's grad clipping)"""
     kl_coef: float = 0.05
     """beta: weight of the per-token KL(pi || pi_ref) penalty in the reward (initial value with --kl-target)"""
+    reference: Literal["auto", "sharded", "replicated"] = "auto"
+    """the reference model (kl_coef > 0): sharded like the policy, or a whole copy on every rank, which scores this
+    rank's own rollout before the gather, while slower ranks still generate (its forward runs no collective).
+    auto: replicated with several GPUs when a copy takes under 5 % of one (0.5B-3B on an H200)"""
     kl_target: float = 0.0
     """adaptive KL controller: target per-sequence KL in nats (0: fixed kl_coef; Ziegler et al. used 6)"""
     kl_horizon: int = 10000
@@ -485,10 +489,12 @@ def main(args: Args) -> None:
     stop_ids = eos_token_ids(tok, model_path)
     policy = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
                    root=TokenLogProbs(lm, args.logprob_impl))
-    ref = None
-    if args.kl_coef > 0:  # the frozen reference, sharded the same way, only when the KL term is on
-        ref = shard(rlm := load_causal_lm(model_path, args.attn_impl, trainable=False), args.fsdp, d.device,
-                    root=TokenLogProbs(rlm, args.logprob_impl))
+    ref, ref_early = None, False
+    if args.kl_coef > 0:  # the frozen reference, only when the KL term is on
+        rlm = load_causal_lm(model_path, args.attn_impl, trainable=False)
+        ref_early = args.reference == "replicated" or (
+            args.reference == "auto" and d.world_size > 1 and small_on_gpu(args.fsdp, rlm, d.device))
+        ref = (replicate if ref_early else shard)(rlm, args.fsdp, d.device, root=TokenLogProbs(rlm, args.logprob_impl))
     # the critic: its own backbone (from the policy or --critic-model) + value head, sharded like the policy
     critic = shard(clm := load_causal_lm(critic_path, args.attn_impl), args.fsdp, d.device, root=ValueModel(clm))
     del clm  # its LM head is not part of the critic
@@ -552,7 +558,8 @@ def main(args: Args) -> None:
         "trainer attention": describe(d.device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
         "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.max_new_tokens)
                                                     / args.max_tokens_per_microbatch),
-        "reference model": "yes" if ref is not None else "no (kl_coef = 0)",
+        "reference model": ("no (kl_coef = 0)" if ref is None else
+                            "replicated, scored before the gather" if ref_early else "sharded"),
         "KL coefficient": f"adaptive from {args.kl_coef} (target {args.kl_target})" if args.kl_target else args.kl_coef,
         "critic (warm-up steps)": f"{critic_path} ({args.critic_warmup_steps})",
         "rollout engine": rollout_kind, "train prompts (dropped too long)": f"{len(train)} ({dropped})",
@@ -605,11 +612,20 @@ def main(args: Args) -> None:
         if args.format_coef:
             rewards += args.format_coef * torch.tensor([format_reward(p, t, a) for p, t, a in
                                                         zip(prompt_texts, texts, answers)])
+        own_ref = None
+        if ref_early:  # a whole reference per rank: score this rank's rollout now, while slower ranks still generate
+            with timed(perf, "ref_logp"):
+                own_ref = sequence_logprobs(ref, rollout.prompt_ids, rollout.response_ids,
+                                            [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
+                                            list(range(len(rollout.response_ids))), 1, 0, args.forward_token_budget,
+                                            args.temperature, width, d.device).cpu()  # (B_rank, T)
         # every rank sees the whole rollout (token ids and scalars are small): the passes below balance
         # sequences across ranks by tokens, and GAE, whitening and the loss normaliser use the global batch.
         with timed(perf, "gather"):  # includes waiting for the slowest rank's generation
             parts = D.all_gather_objects((rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rewards,
-                                          truncated, correct, res.n_errors, res.n_timeouts))
+                                          truncated, correct, res.n_errors, res.n_timeouts, own_ref,
+                                          perf["generate_s"]))
+        perf["generate_slowest_s"] = max(part[9] for part in parts)  # the rank every other one waits for
         prompts = [p for part in parts for p in part[0]]
         responses = [r for part in parts for r in part[1]]
         engine_logp = padded([lp for part in parts for lp in (part[2] or [[]] * len(part[1]))], width)  # (B, T)
@@ -623,7 +639,9 @@ def main(args: Args) -> None:
         rewards, truncated = rewards.to(d.device), truncated.to(d.device)
         # old log-probs, reference log-probs and old values, all before the first update (PPO always needs them)
         ref_logp = None
-        if ref is not None:
+        if ref_early:
+            ref_logp = torch.cat([part[8] for part in parts]).to(d.device)  # (B, T)
+        elif ref is not None:
             with timed(perf, "ref_logp"):
                 ref_logp = sequence_logprobs(ref, prompts, responses, lengths, rows_all, d.world_size, d.rank,
                                              args.forward_token_budget, args.temperature, width, d.device)

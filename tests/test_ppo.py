@@ -127,12 +127,22 @@ def read_metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_two_ranks_end_to_end(tiny_model_dir, tmp_path):
     from conftest import torchrun  # not at the top: the workers import this file for letters()
-    torchrun("ppo.py", "--model", str(tiny_model_dir), "--out-dir", str(tmp_path), "--exp-name", "e2e",
-             "--reward-fn", "tests.test_ppo:letters", "--num-steps", "2", "--max-new-tokens", "8",
-             "--prompts-per-step", "4", "--num-minibatches", "2", "--num-epochs", "1", "--eval-every", "0",
-             "--kl-target", "6", "--critic-warmup-steps", "1", "--bootstrap-truncated", "--no-chat-template",
-             "--fsdp.keep-gathered", "on", nproc=2)
+    run = lambda name, *extra: torchrun(
+        "ppo.py", "--model", str(tiny_model_dir), "--out-dir", str(tmp_path), "--exp-name", name,
+        "--reward-fn", "tests.test_ppo:letters", "--num-steps", "2", "--max-new-tokens", "8",
+        "--prompts-per-step", "4", "--num-minibatches", "2", "--num-epochs", "1", "--eval-every", "0",
+        "--kl-target", "6", "--critic-warmup-steps", "1", "--bootstrap-truncated", "--no-chat-template",
+        "--fsdp.keep-gathered", "on", *extra, nproc=2)
+    run("e2e")
     rows = read_metrics(tmp_path / "e2e")
+    # a replicated reference, each rank scoring its own rollout before the gather, trains the same
+    p = run("e2e_repl", "--reference", "replicated")
+    assert "replicated, scored before the gather" in p.stdout
+    for a, b in zip(rows, read_metrics(tmp_path / "e2e_repl"), strict=True):
+        assert b["reward/mean"] == a["reward/mean"]
+        for k in ("train/kl", "train/policy_loss", "train/value_loss", "train/kl_coef"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
+        assert b["perf/generate_slowest_s"] >= b["perf/generate_s"]
     assert [r["step"] for r in rows] == [0, 1]
     keys = ("train/policy_loss", "train/value_loss", "train/vf_clip_frac", "train/kl_coef", "train/approx_kl",
             "train/explained_variance", "train/kl", "train/clip_frac", "train/entropy", "train/critic_grad_norm",

@@ -42,7 +42,7 @@ from common import dist as D
 from common.attention import attn_kwargs, describe, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
 from common.flops import PEAK_FLOPS, batch_train_flops, mfu
-from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, replicate, reshard, shard, small_on_gpu
+from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, place_frozen, reshard, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
@@ -410,9 +410,7 @@ def main(args: Args) -> None:
     ref, ref_early = None, False
     if args.kl_coef > 0:  # the frozen reference, only when the KL term is on
         rlm = load_causal_lm(model_path, args.attn_impl, trainable=False)
-        ref_early = args.reference == "replicated" or (
-            args.reference == "auto" and d.world_size > 1 and small_on_gpu(args.fsdp, rlm, d.device))
-        ref = (replicate if ref_early else shard)(rlm, args.fsdp, d.device, root=TokenLogProbs(rlm, args.logprob_impl))
+        ref, ref_early = place_frozen(rlm, args.fsdp, d.device, args.reference, root=TokenLogProbs(rlm, args.logprob_impl))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -526,12 +524,11 @@ def main(args: Args) -> None:
         adv = group_advantages(rewards, G, args.scale_by_std, args.adv_eps)  # (B_rank,) groups never span ranks
         own_ref = None
         if ref_early:  # a whole reference per rank: score this rank's rollout now, while slower ranks still generate
-            with timed(perf, "ref_logp"):
-                own = list(range(len(rollout.response_ids)))
+            with timed(perf, "ref_logp"):  # every sequence of the rank, also those dynamic sampling drops later
                 own_ref = sequence_logprobs(ref, rollout.prompt_ids, rollout.response_ids,
                                             [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
-                                            own, 1, 0, args.forward_token_budget, args.temperature, width,
-                                            d.device).cpu()  # (B_rank, T)
+                                            list(range(len(rollout.response_ids))), 1, 0, args.forward_token_budget,
+                                            args.temperature, width, d.device).cpu()  # (B_rank, T)
         # every rank sees the whole rollout (token ids and scalars are small): the update below balances
         # sequences across ranks by tokens, and the loss normaliser is computed from the global batch.
         with timed(perf, "gather"):  # includes waiting for the slowest rank's generation

@@ -54,7 +54,7 @@ from common import dist as D
 from common.attention import attn_kwargs, describe, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
 from common.flops import PEAK_FLOPS, batch_train_flops, mfu
-from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, replicate, reshard, shard, small_on_gpu
+from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, place_frozen, reshard, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
@@ -492,9 +492,7 @@ def main(args: Args) -> None:
     ref, ref_early = None, False
     if args.kl_coef > 0:  # the frozen reference, only when the KL term is on
         rlm = load_causal_lm(model_path, args.attn_impl, trainable=False)
-        ref_early = args.reference == "replicated" or (
-            args.reference == "auto" and d.world_size > 1 and small_on_gpu(args.fsdp, rlm, d.device))
-        ref = (replicate if ref_early else shard)(rlm, args.fsdp, d.device, root=TokenLogProbs(rlm, args.logprob_impl))
+        ref, ref_early = place_frozen(rlm, args.fsdp, d.device, args.reference, root=TokenLogProbs(rlm, args.logprob_impl))
     # the critic: its own backbone (from the policy or --critic-model) + value head, sharded like the policy
     critic = shard(clm := load_causal_lm(critic_path, args.attn_impl), args.fsdp, d.device, root=ValueModel(clm))
     del clm  # its LM head is not part of the critic

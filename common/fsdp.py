@@ -145,6 +145,16 @@ def replicate(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.M
     return root
 
 
+def place_frozen(model: nn.Module, args: FSDPArgs, device: torch.device, placement: str,
+                 root: nn.Module | None = None) -> tuple[nn.Module, bool]:
+    """A frozen model (the reference) shard()ed or replicate()d, per the scripts' --reference: "sharded",
+    "replicated", or "auto" (replicated with several ranks when a whole copy is small_on_gpu). Returns (root,
+    whether it was replicated)."""
+    replicated = placement == "replicated" or (
+        placement == "auto" and torch.distributed.get_world_size() > 1 and small_on_gpu(args, model, device))
+    return (replicate if replicated else shard)(model, args, device, root=root), replicated
+
+
 def compile_layers(layers: list[nn.Module]) -> None:
     """torch.compile the forward of each decoder layer (not the module call, so FSDP2's hooks stay eager).
 

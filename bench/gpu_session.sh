@@ -73,14 +73,16 @@ start)  # after `stage ... site`: data, then the job queue of this session: star
   setsid python3 bench/gpu_queue.py "${2:-bench/queues/next.txt}" > $L/queue.out 2>&1 < /dev/null &
   sleep 15; report
   ;;
-extra)  # extra NAME GPUS CMD: one more detached job now
+extra)  # extra NAME GPUS CMD: one more detached job now. CMD runs inside '...': no single quotes in it (session 6:
+        # --grpo-extra='...' broke; --grpo-extra=\"--a --b\" works)
   name=$2 gpus=$3; shift 3
   setsid bash -c "$(declare -f job); L=$L; job $name $gpus '$*'" > /dev/null 2>&1 < /dev/null &
   sleep 2; report
   ;;
-poll)
-  end=$((SECONDS + ${2:-60}))
-  while [ $SECONDS -lt $end ] && [ ! -f $L/all.done ]; do sleep 5; done
+poll)  # wait up to SECONDS while the queue or a job started with `extra` still runs (session 6: `extra` jobs
+  end=$((SECONDS + ${2:-60}))  # outlived the queue, and poll returned at once)
+  busy() { [ ! -f $L/all.done ] || [ "$(grep -c ' start ' $L/status)" -gt "$(grep -c ' end ' $L/status)" ]; }
+  while [ $SECONDS -lt $end ] && busy; do sleep 5; done
   report
   ;;
 *) echo "usage: $0 stage FILE [site|model] | start | extra NAME GPUS CMD | poll SECONDS"; exit 2 ;;

@@ -65,6 +65,11 @@ def resolve_unit(args: FSDPArgs, world_size: int, keep_gathered: bool) -> str:
     return "model" if (world_size == 1 or keep_gathered) and not args.cpu_offload else "layer"
 
 
+def compiles(args: FSDPArgs, device: torch.device) -> bool:
+    """--fsdp.compile: on, off, or auto (on for CUDA, off on CPU)."""
+    return args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+
+
 def compute_dtype(args: FSDPArgs, device: torch.device) -> torch.dtype:
     """The dtype of the gathered parameters (--fsdp.param-dtype; auto: bfloat16 on GPU, float32 on CPU)."""
     if args.param_dtype != "auto":
@@ -124,7 +129,7 @@ def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Modul
             fully_shard(layer, **kw)
     fully_shard(root, **kw)
     root.fsdp_unit, root.keep_gathered = unit, keep
-    if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
+    if compiles(args, device):
         compile_layers(layers)
     return root
 
@@ -139,8 +144,7 @@ def replicate(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.M
     for p in model.parameters():
         p.data = p.data.to(compute_dtype(args, device))  # buffers (RoPE's inv_freq) stay as they are
     root.to(device)
-    root.fsdp_unit, root.keep_gathered = "replicated", True
-    if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
+    if compiles(args, device):
         compile_layers(decoder_layers(model))
     return root
 

@@ -18,6 +18,7 @@ machine (from /proc/stat) the CPU seconds busy and stolen by the hypervisor.
 
     torchrun --standalone --nproc-per-node 2 bench/gen_scaling.py [--repeats 2] [--no-prefix-caching]
     python bench/gen_scaling.py --scan-cpus 2      # each CPU's calibration time, no GPU
+    python bench/gen_scaling.py --scan-pairs 3     # which CPUs slow each other (host hyper-threads), no GPU
 Last line: GEN_SCALING full_s=... split_s=... speedup=... (split_s: the slowest rank, median over calls)
 """
 import argparse
@@ -50,13 +51,70 @@ def machine_cpu() -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / hz, steal / hz
 
 
-def cpu_calibration() -> float:
+def cpu_calibration(n: int = 300_000) -> float:
     """Milliseconds of a fixed pure-Python loop (dict stores, as a scheduler does): this core's speed right now.
     Timed before every generate, to tell a slower CPU (host load, clock) from more work."""
     t, box = time.perf_counter(), {}
-    for i in range(300_000):
+    for i in range(n):
         box[i & 1023] = i
     return (time.perf_counter() - t) * 1e3
+
+
+SHORT = 100_000  # a third of the calibration loop: 32 CPUs' 992 ordered pairs in well under a minute
+
+
+def _spin(cpu, flag) -> None:
+    """Child of --scan-pairs: busy on `cpu` while flag is 1, idle (sleeping) while 0, gone at -1."""
+    os.sched_setaffinity(0, {cpu})
+    while flag.value >= 0:
+        if flag.value == 1:
+            cpu_calibration(10_000)  # ~1 ms: the flag is seen within the 2 ms the parent waits
+        else:
+            time.sleep(0.001)
+
+
+def scan_pairs(cpus: list[int], rounds: int) -> dict[tuple[int, int], float]:
+    """Slowdown of the calibration loop on CPU j while another process spins on CPU i, over its time with i idle
+    (each measured `rounds` times, the ratio of the medians): ~2 where i and j are hyper-threads of one host core.
+    Returns {(i, j): ratio} for every ordered pair."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")  # no CUDA in this process: forking is safe, and starts in milliseconds
+    out, here = {}, os.sched_getaffinity(0)
+    for i in cpus:
+        flag = ctx.Value("i", 0)
+        child = ctx.Process(target=_spin, args=(i, flag), daemon=True)
+        child.start()
+        try:
+            for j in cpus:
+                if j == i:
+                    continue
+                os.sched_setaffinity(0, {j})
+                cpu_calibration(SHORT)  # settle on the core
+                idle, busy = [], []
+                for _ in range(rounds):
+                    flag.value = 0
+                    time.sleep(0.002)
+                    idle.append(cpu_calibration(SHORT))
+                    flag.value = 1
+                    time.sleep(0.002)
+                    busy.append(cpu_calibration(SHORT))
+                out[(i, j)] = statistics.median(busy) / statistics.median(idle)
+        finally:
+            flag.value = -1
+            child.join(timeout=5)
+            os.sched_setaffinity(0, here)
+    return out
+
+
+def print_partners(ratios: dict[tuple[int, int], float]) -> list[str]:
+    """One line per CPU i: the CPU j that slowed most while i was busy, by how much, and the median over the
+    others (the host's noise). Siblings show as one j near 2x and the rest near 1x, the same pair both ways."""
+    lines = []
+    for i in sorted({a for a, _ in ratios}):
+        row = sorted(((r, j) for (a, j), r in ratios.items() if a == i), reverse=True)
+        rest = f"x{statistics.median(r for r, _ in row[1:]):.2f}" if len(row) > 1 else "-"
+        lines.append(f"cpu {i}: most slowed {row[0][1]} x{row[0][0]:.2f}; median of the others {rest}")
+    return lines
 
 
 def host_info(engine: VLLMEngine) -> dict:
@@ -82,6 +140,10 @@ def main():
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "gen_scaling_w05"))
     ap.add_argument("--scan-cpus", type=int, default=0,
                     help="only time the calibration loop pinned to each CPU in turn, this many times, and exit")
+    ap.add_argument("--scan-pairs", type=int, default=0,
+                    help="only look for CPUs that slow each other (host hyper-threads): every ordered pair, this "
+                         "many busy/idle rounds each, and exit; --cpus limits it to some CPUs")
+    ap.add_argument("--cpus", default="", help="comma-separated CPUs for --scan-pairs (default: all allowed)")
     ap.add_argument("--in-order", action="store_true", help="print the rows in the order they ran")
     ap.add_argument("--json", default="", help="also write every measurement here (rank 0)")
     a = ap.parse_args()
@@ -96,6 +158,16 @@ def main():
                 speeds.append((c, cpu_calibration()))
             print(f"scan {rep} (ms per CPU): " + " ".join(f"{c}:{ms:.0f}" for c, ms in speeds), flush=True)
         os.sched_setaffinity(0, allowed)
+        return
+    if a.scan_pairs:  # no GPU needed: which CPUs share a host core (a busy neighbour halves the other)
+        cpus = [int(c) for c in a.cpus.split(",")] if a.cpus else sorted(os.sched_getaffinity(0))
+        t0 = time.perf_counter()
+        ratios = scan_pairs(cpus, a.scan_pairs)
+        print("\n".join(print_partners(ratios)), flush=True)
+        print(f"PAIR_SCAN cpus={len(cpus)} seconds={time.perf_counter() - t0:.1f} "
+              f"max_ratio={max(ratios.values()):.2f} median_ratio={statistics.median(ratios.values()):.2f}", flush=True)
+        if a.json:
+            Path(a.json).write_text(json.dumps({f"{i},{j}": r for (i, j), r in ratios.items()}))
         return
     unknown = set(a.phases.split(",")) - {"split", "alone", "full", "weak", "sweep", "bind"}
     if unknown:

@@ -59,6 +59,13 @@ def test_no_cuda_says_rollout_hf(monkeypatch):
         VLLMEngine("unused", VLLMArgs(), max_model_len=128, seed=0)
 
 
+@pytest.mark.parametrize("level", [-1, 3])
+def test_unknown_sleep_level_lists_the_three(level, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # checked before vLLM is even needed
+    with pytest.raises(ValueError, match=r"--vllm.sleep-level must be 0 \(stay resident\), 1 .* or 2"):
+        VLLMEngine("unused", VLLMArgs(sleep_level=level), max_model_len=128, seed=0)
+
+
 # ---- refit bucketing and tied embeddings ------------------------------------------------------------------------
 
 def test_bucket_by_bytes_respects_bound_and_order():
@@ -291,9 +298,35 @@ def engine_and_model(tmp_path_factory):
     yield engine, perturbed
 
 
-def _prompts(num=4):
+def _prompts(num=4, length=PROMPT_LEN):
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, VOCAB, (num, PROMPT_LEN), generator=g).tolist()
+    return torch.randint(0, VOCAB, (num, length), generator=g).tolist()
+
+
+def _greedy(engine, prompts):
+    return engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=0,
+                           ignore_eos=True)
+
+
+def _assert_transformers_argmax(rollout, model, tol=0.5) -> int:
+    """Every greedy vLLM token within `tol` logits of the argmax of `model` (bf16 weights computed in fp32,
+    teacher-forced on vLLM's tokens); returns how many are exactly the argmax. Tokens of other weights (a refit
+    that did not take, or prompt KV cached under the old weights) fall ~15 logits below."""
+    ref = model.float().cuda().eval()
+    exact = 0
+    try:
+        for p, r in zip(rollout.prompt_ids, rollout.response_ids):
+            assert len(r) == NEW
+            ids = torch.tensor([p + r], device="cuda")
+            with torch.no_grad():
+                logits = ref(ids).logits[0, len(p) - 1:-1].float()  # (NEW, V) predicting each response token
+            chosen = logits.gather(-1, torch.tensor(r, device="cuda")[:, None])[:, 0]
+            gap = logits.max(-1).values - chosen  # 0 where vLLM picked transformers' argmax
+            assert gap.max().item() <= tol, f"vLLM token {gap.argmax().item()} is {gap.max().item():.2f} below argmax"
+            exact += int((gap == 0).sum())
+    finally:
+        model.to(torch.bfloat16).cpu()
+    return exact
 
 
 @pytest.mark.gpu
@@ -305,30 +338,48 @@ def test_refit_then_greedy_matches_transformers(engine_and_model):
     take would pick tokens ~15 logits below the argmax of the new weights."""
     engine, perturbed = engine_and_model
     prompts = _prompts()
-    before = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=0,
-                             ignore_eos=True)
+    before = _greedy(engine, prompts)
     engine.sleep()
     engine.wake(["weights"])
     secs = engine.load_weights((n, p.detach().cuda()) for n, p in perturbed.named_parameters())
     engine.wake(["kv_cache"])
     assert secs > 0
-    after = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=0,
-                            ignore_eos=True)
+    after = _greedy(engine, prompts)
     assert after.response_ids != before.response_ids, "the refit changed nothing"
-
-    ref = perturbed.float().cuda().eval()
-    tol, exact = 0.5, 0
-    for p, r in zip(after.prompt_ids, after.response_ids):
-        assert len(r) == NEW
-        ids = torch.tensor([p + r], device="cuda")
-        with torch.no_grad():
-            logits = ref(ids).logits[0, len(p) - 1:-1].float()  # (NEW, V) predicting each response token
-        chosen = logits.gather(-1, torch.tensor(r, device="cuda")[:, None])[:, 0]
-        gap = logits.max(-1).values - chosen  # 0 where vLLM picked transformers' argmax
-        assert gap.max().item() <= tol, f"vLLM token {gap.argmax().item()} is {gap.max().item():.2f} below argmax"
-        exact += int((gap == 0).sum())
+    exact = _assert_transformers_argmax(after, perturbed)
     print(f"greedy tokens equal to transformers' argmax: {exact}/{len(prompts) * NEW}")
-    ref.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
+def test_sleep_level_0_stays_resident_and_a_refit_still_takes(engine_and_model, tmp_path):
+    """--vllm.sleep-level 0: sleep and wake keep everything on the GPU, and a refit between them must still reach
+    the tokens, including prompts whose KV the prefix cache holds from the old weights (40-token prompts: two
+    full blocks of 16 cached)."""
+    import dataclasses
+    engine, perturbed = engine_and_model
+    original = _tiny_qwen2(tmp_path, seed=0)  # the fixture's first weights
+    saved_args = engine.args
+    engine.args = dataclasses.replace(saved_args, sleep_level=0)
+    prompts = _prompts(4, length=40)
+    try:
+        engine.load_weights((n, p.detach().cuda()) for n, p in original.named_parameters())
+        first = _greedy(engine, prompts)  # fills the prefix cache with the original weights' prompt KV
+        _assert_transformers_argmax(first, original)
+        free_before = torch.cuda.mem_get_info()[0]
+        engine.sleep()
+        assert abs(torch.cuda.mem_get_info()[0] - free_before) < 0.1 * engine.held_bytes, "level 0 released memory"
+        engine.wake(["weights"])
+        engine.load_weights((n, p.detach().cuda()) for n, p in perturbed.named_parameters())
+        engine.wake(["kv_cache"])
+        second = _greedy(engine, prompts)
+        assert second.response_ids != first.response_ids, "the refit changed nothing"
+        _assert_transformers_argmax(second, perturbed)
+        engine.sleep()
+        third = _greedy(engine, prompts)  # level 0: sleep() left the engine ready to generate
+        assert third.response_ids == second.response_ids
+    finally:
+        engine.args = saved_args
 
 
 @pytest.mark.gpu

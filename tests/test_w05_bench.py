@@ -35,3 +35,22 @@ def test_pool_keeps_each_files_rounds_apart_and_takes_phase_medians():
     assert scaling == "scaling varlen 1 -> 2 GPUs: 10.00 / 6.00 s = 1.67x (pooled warm steps); per round 2.00x, 1.50x, 1.50x"
     assert one == "1 GPU(s), 3 runs, 3 warm steps: step_s 10.00 generate_s 6.00 update_s 1.00"
     assert two.startswith("2 GPU(s), 3 runs, 3 warm steps: step_s 6.00 generate_s 3.00")
+
+
+def test_pair_scan_names_the_cpu_that_slows_each_one():
+    from bench.gen_scaling import print_partners
+    ratios = {(i, j): 1.0 for i in range(4) for j in range(4) if i != j}
+    ratios[(0, 2)], ratios[(2, 0)] = 2.0, 1.9  # 0 and 2: one host core
+    lines = print_partners(ratios)
+    assert lines[0] == "cpu 0: most slowed 2 x2.00; median of the others x1.00"
+    assert lines[2].startswith("cpu 2: most slowed 0 x1.90") and len(lines) == 4
+
+
+def test_pair_scan_measures_every_ordered_pair():
+    import os
+    from bench.gen_scaling import scan_pairs
+    cpus = sorted(os.sched_getaffinity(0))[:2]  # CI and the GPU machine have at least two
+    ratios = scan_pairs(cpus, rounds=1)
+    assert set(ratios) == {(cpus[0], cpus[1]), (cpus[1], cpus[0])}
+    assert all(0.2 < r < 5 for r in ratios.values())  # a time ratio, not a time or a count
+    assert os.sched_getaffinity(0) >= set(cpus)  # the scan gives the process its CPUs back

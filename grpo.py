@@ -614,6 +614,8 @@ def main(args: Args) -> None:
         engine_stale = bool(rows_all)
         if d.device.type == "cuda":
             perf["peak_mem_gib"] = step_peak_gib()
+            if step == start and rollout_kind == "vllm" and d.is_main and (hint := engine.resident_hint(perf)):
+                print(hint, flush=True)  # once: the engine would fit beside training without sleeping
 
         # ---- 4. log -----------------------------------------------------------------------------------------
         for k in ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "tis_w"):

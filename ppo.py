@@ -736,6 +736,8 @@ def main(args: Args) -> None:
         engine_stale = train_policy
         if d.device.type == "cuda":
             perf["peak_mem_gib"] = step_peak_gib()
+            if step == start and rollout_kind == "vllm" and d.is_main and (hint := engine.resident_hint(perf)):
+                print(hint, flush=True)  # once: the engine would fit beside training without sleeping
 
         # ---- 4. log, adapt kl_coef -------------------------------------------------------------------------
         for k in ("pg_loss", "vf_loss", "entropy", "clip_frac", "vf_clip_frac", "approx_kl", "tokens", "gap_sum",

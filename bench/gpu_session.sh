@@ -37,7 +37,7 @@ report() {
     cp $L/status /tmp/small/
     for d in $L/w05-*; do [ -d $d ] && mkdir -p /tmp/small/$(basename $d) && find $d -name 'summary.json' -exec cp {} /tmp/small/$(basename $d)/ \; \
       && for f in $(find $d -name '*.log'); do tail -c 100000 $f > /tmp/small/$(basename $d)/$(basename $f); done \
-      && (cd $d && find . -maxdepth 2 \( -name metrics.jsonl -o -name config.json \) -exec cp --parents {} /tmp/small/$(basename $d)/ \;); done
+      && (cd $d && find . \( -name metrics.jsonl -o -name config.json \) -exec cp --parents {} /tmp/small/$(basename $d)/ \;); done
     tar -czf $OUT/logs.tgz -C /tmp small $(cd /tmp && ls -d runs/*/metrics.jsonl runs/*/config.json 2>/dev/null)
   fi
 }

@@ -118,6 +118,18 @@ def kv_cache_bytes(cfg: dict, num_seqs: int, max_model_len: int, dtype_bytes: in
     return int(blocks * block_size * layers * 2 * kv_heads * head_dim * dtype_bytes * margin)
 
 
+def resident_hint(total_bytes: int, engine_bytes: int, trainer_peak_bytes: int, swap_s: float, sleep_level: int,
+                  headroom: float = 0.1) -> str | None:
+    """The line the scripts print after their first step when the engine sleeps although it would fit beside
+    training (both under 1 - headroom of the GPU; the headroom covers fragmentation and later, longer batches).
+    None when it stays resident already or would not fit."""
+    if sleep_level == 0 or engine_bytes + trainer_peak_bytes > (1 - headroom) * total_bytes:
+        return None
+    return (f"hint: the vLLM engine ({engine_bytes / GiB:.1f} GiB) and training's peak ({trainer_peak_bytes / GiB:.1f} "
+            f"GiB) fit on this {total_bytes / GiB:.0f} GiB GPU together: --vllm.sleep-level 0 keeps the engine "
+            f"resident and skips its sleep and wakes ({swap_s:.2f} s this step)")
+
+
 def bucket_by_bytes(named_tensors: Iterable[tuple[str, torch.Tensor]],
                     max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group (name, tensor) pairs, in order, into lists of at most `max_bytes` (a larger tensor goes alone)."""
@@ -422,6 +434,12 @@ class VLLMEngine:
         self.weights_discarded = self.args.sleep_level == 2
         self.timings["sleep"] = time.perf_counter() - t0
         self._log(f"sleep(level={self.args.sleep_level}) {self.timings['sleep']:.2f}s")
+
+    def resident_hint(self, perf: dict) -> str | None:
+        """resident_hint for this engine after a step whose perf holds peak_mem_gib and the sleep / wake seconds."""
+        swap_s = sum(perf.get(k, 0.0) for k in ("sleep_s", "wake_weights_s", "wake_kv_s"))
+        return resident_hint(torch.cuda.mem_get_info(self.device)[1], self.held_bytes,
+                             int(perf.get("peak_mem_gib", 0.0) * GiB), swap_s, self.args.sleep_level)
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Re-allocate "weights" and/or "kv_cache" (None: both). Wake the weights alone first to refit, so the

@@ -13,7 +13,7 @@ from conftest import ROOT
 
 from common.rollout import Rollout
 from common.vllm_engine import (GiB, VLLMArgs, VLLMEngine, bucket_by_bytes, check_memory_budget, kv_cache_bytes,
-                                remap_tied, request_seeds, to_rollout, tp_layout)
+                                remap_tied, request_seeds, resident_hint, to_rollout, tp_layout)
 
 HAS_GPU_VLLM = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
@@ -41,6 +41,16 @@ def test_memory_budget_training_estimate_too_large():
 def test_memory_budget_rejects_bad_fractions(util):
     with pytest.raises(ValueError, match="in \\(0, 1\\)"):
         check_memory_budget(140 * GiB, 140 * GiB, util)
+
+
+
+def test_resident_hint_only_when_both_fit_and_the_engine_sleeps():
+    # W05 on one H200 (session 7): engine ~6.5 GiB, training's peak 31 GiB, sleep + wakes 0.2 s
+    hint = resident_hint(140 * GiB, int(6.5 * GiB), 31 * GiB, 0.21, sleep_level=2)
+    assert "--vllm.sleep-level 0" in hint and "6.5 GiB" in hint and "31.0 GiB" in hint and "0.21 s" in hint
+    assert resident_hint(140 * GiB, int(6.5 * GiB), 31 * GiB, 0.21, sleep_level=0) is None  # resident already
+    assert resident_hint(140 * GiB, 40 * GiB, 90 * GiB, 2.0, sleep_level=1) is None  # 130 > 90 % of 140: no room
+    assert resident_hint(140 * GiB, 40 * GiB, 85 * GiB, 2.0, sleep_level=1) is not None  # 125 <= 126
 
 
 # ---- construction errors -------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ class VLLMArgs:
     every wake (they do after every update anyway); 1: sleep copies the weights to CPU RAM and back (a refit
     is optional; costs a device-to-host copy of the model per step: 0.2 s at 0.5B, seconds at 7B); 0: never
     sleep, the engine keeps its weights and KV cache on the GPU beside the trainer (saves the sleep and wakes,
-    ~0.23 s a step at W05; only when both fit: the trainer's peak plus what the engine holds, which init logs)"""
+    ~0.2 s a step at W05; only when both fit: the trainer's peak plus what the engine holds, which init logs)"""
     tensor_parallel_size: int = 1
     """GPUs per vLLM engine; consecutive torchrun ranks form one engine, replicas = world_size / this"""
     enable_prefix_caching: bool = True

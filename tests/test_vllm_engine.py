@@ -157,6 +157,78 @@ def test_to_rollout_without_logprobs_and_bad_reason():
         to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])])
 
 
+# ---- sleep / wake / refit bookkeeping, through a stand-in for vllm.LLM (the real one: the GPU tests below) -----------
+
+class _FakeLLM:
+    """Records the calls VLLMEngine makes; generate echoes one token per request."""
+
+    def __init__(self):
+        self.calls = []
+        self.model = SimpleNamespace(load_weights=lambda b: [n for n, _ in b],
+                                     named_parameters=lambda: [("w", None)])
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def apply_model(self, fn):
+        return [fn(self.model)]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append(("generate", len(prompts)))
+        return [SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
+                                outputs=[SimpleNamespace(index=0, token_ids=[9], finish_reason="length", logprobs=None)])
+                for p in prompts]
+
+
+def _fake_engine(monkeypatch, level):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    engine = VLLMEngine.__new__(VLLMEngine)  # everything __init__ sets that these paths read, without a GPU
+    engine.args, engine.verbose, engine.llm = VLLMArgs(sleep_level=level), False, _FakeLLM()
+    engine.device, engine.dtype, engine.tied, engine.timings = torch.device("cpu"), torch.float32, False, {}
+    engine.max_model_len, engine.dp_rank, engine._tp_group, engine._flat = 64, 0, None, {}
+    engine._asleep, engine.weights_discarded = set(), False
+    return engine
+
+
+def _gen(engine):
+    return engine.generate([[1, 2]], n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=1, seed=0)
+
+
+def test_level_0_never_sleeps_and_a_refit_still_resets_the_prefix_cache(monkeypatch):
+    engine = _fake_engine(monkeypatch, level=0)
+    engine.sleep()
+    engine.wake(["weights"])
+    engine.load_weights([("w", torch.ones(2))])
+    engine.wake(["kv_cache"])
+    assert _gen(engine).response_ids == [[9]]
+    engine.sleep()
+    assert _gen(engine).response_ids == [[9]]  # straight after a level-0 sleep
+    assert engine.llm.calls == [("reset_prefix_cache",), ("generate", 1), ("generate", 1)]
+
+
+def test_level_2_sleeps_and_refuses_to_generate_until_woken_and_refitted(monkeypatch):
+    engine = _fake_engine(monkeypatch, level=2)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="wake"):
+        _gen(engine)
+    engine.wake(["weights"])
+    engine.wake(["kv_cache"])
+    with pytest.raises(RuntimeError, match="load_weights"):  # the weights are garbage after a level-2 sleep
+        _gen(engine)
+    engine.load_weights([("w", torch.ones(2))])
+    assert _gen(engine).response_ids == [[9]]
+    engine.wake()  # awake already: nothing to map
+    assert engine.llm.calls == [("sleep", 2), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]),
+                                ("reset_prefix_cache",), ("generate", 1)]
+
+
 # ---- KV cache sizing ---------------------------------------------------------------------------------------------
 
 def test_kv_cache_bytes_equals_what_transformers_caches():

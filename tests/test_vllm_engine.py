@@ -181,8 +181,8 @@ class _FakeLLM:
 
     def generate(self, prompts, params, use_tqdm=False):
         self.calls.append(("generate", len(prompts)))
-        return [SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
-                                outputs=[SimpleNamespace(index=0, token_ids=[9], finish_reason="length", logprobs=None)])
+        one = dict(index=0, token_ids=[9], finish_reason="length", logprobs=None)
+        return [SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[SimpleNamespace(**one)])
                 for p in prompts]
 
 

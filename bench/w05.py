@@ -315,8 +315,11 @@ def scaling_lines(runs: list[dict]) -> list[str]:
             many = statistics.median(t for ts in by_n[n].values() for t in ts)
             per_round = [statistics.median(by_n[1][k]) / statistics.median(by_n[n][k])
                          for k in sorted(by_n[n]) if k in by_n[1]]
+            # the fastest run on each side (a run's median): the ratio when both drew their best host minutes
+            best_one, best_many = (min(statistics.median(ts) for ts in by_n[k].values()) for k in (1, n))
             lines.append(f"scaling {attn} 1 -> {n} GPUs: {one:.2f} / {many:.2f} s = {one / many:.2f}x "
-                         f"(pooled warm steps); per round " + ", ".join(f"{x:.2f}x" for x in per_round))
+                         f"(pooled warm steps); per round " + ", ".join(f"{x:.2f}x" for x in per_round)
+                         + f"; best run each side {best_one:.2f} / {best_many:.2f} s = {best_one / best_many:.2f}x")
     return lines
 
 

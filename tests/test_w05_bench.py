@@ -21,7 +21,8 @@ def test_scaling_pools_rounds_and_reports_each():
             {"attn": "sdpa", "nproc": 2, "round": 0, "warm_steps": [6.0]}]  # no 1-GPU run: no line
     (line,) = scaling_lines(runs)
     # pooled: median(10, 10, 14, 14) = 12 over median(5, 5, 10, 10) = 7.5; rounds: 2.00x and 1.40x
-    assert line == "scaling varlen 1 -> 2 GPUs: 12.00 / 7.50 s = 1.60x (pooled warm steps); per round 2.00x, 1.40x"
+    assert line == ("scaling varlen 1 -> 2 GPUs: 12.00 / 7.50 s = 1.60x (pooled warm steps); per round 2.00x, 1.40x; "
+                    "best run each side 10.00 / 5.00 s = 2.00x")
 
 
 def test_pool_keeps_each_files_rounds_apart_and_takes_phase_medians():
@@ -32,7 +33,8 @@ def test_pool_keeps_each_files_rounds_apart_and_takes_phase_medians():
     b = {"runs": [run(2, 0, [6.0], 3.0), run(1, 0, [9.0], 5.0), {"kind": "grpo", "nproc": 1, "warm_steps": []}]}
     scaling, one, two = pool_lines([a, b])
     # pooled: median(10, 12, 9) = 10 over median(5, 8, 6) = 6; rounds (0,0), (0,1), (1,0): 2.00x, 1.50x, 1.50x
-    assert scaling == "scaling varlen 1 -> 2 GPUs: 10.00 / 6.00 s = 1.67x (pooled warm steps); per round 2.00x, 1.50x, 1.50x"
+    assert scaling == ("scaling varlen 1 -> 2 GPUs: 10.00 / 6.00 s = 1.67x (pooled warm steps); per round 2.00x, "
+                       "1.50x, 1.50x; best run each side 9.00 / 5.00 s = 1.80x")
     assert one == "1 GPU(s), 3 runs, 3 warm steps: step_s 10.00 generate_s 6.00 update_s 1.00"
     assert two.startswith("2 GPU(s), 3 runs, 3 warm steps: step_s 6.00 generate_s 3.00")
 

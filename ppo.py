@@ -412,6 +412,15 @@ def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, bud
     return (D.all_reduce(out) if world > 1 else out)[rows]  # world 1: this rank's rows alone, no collective
 
 
+# Same as grpo.py:rollout_logprobs
+def rollout_logprobs(model, rollout, budget, temperature, width, device) -> torch.Tensor:
+    """log pi(response token) of every sequence of this rank's rollout, computed on this rank alone (a replicated
+    model): (B_rank, T) on the CPU, to travel in the rollout gather."""
+    lengths = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
+    return sequence_logprobs(model, rollout.prompt_ids, rollout.response_ids, lengths, list(range(len(lengths))),
+                             1, 0, budget, temperature, width, device).cpu()
+
+
 # Same as grpo.py:generate_and_score
 def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed, temperature, perf: dict,
                        logprobs: bool = False):
@@ -613,10 +622,8 @@ def main(args: Args) -> None:
         own_ref = None
         if ref_early:  # a whole reference per rank: score this rank's rollout now, while slower ranks still generate
             with timed(perf, "ref_logp"):
-                own_ref = sequence_logprobs(ref, rollout.prompt_ids, rollout.response_ids,
-                                            [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)],
-                                            list(range(len(rollout.response_ids))), 1, 0, args.forward_token_budget,
-                                            args.temperature, width, d.device).cpu()  # (B_rank, T)
+                own_ref = rollout_logprobs(ref, rollout, args.forward_token_budget, args.temperature, width,
+                                           d.device)  # (B_rank, T)
         # every rank sees the whole rollout (token ids and scalars are small): the passes below balance
         # sequences across ranks by tokens, and GAE, whitening and the loss normaliser use the global batch.
         with timed(perf, "gather"):  # includes waiting for the slowest rank's generation

@@ -424,10 +424,10 @@ class VLLMEngine:
         """Release the GPU: KV cache dropped; weights to CPU (level 1) or discarded (level 2); level 0 keeps both
         (a no-op: the engine stays ready, and load_weights resets the prefix cache after a refit).
         vLLM's LLM.sleep resets the prefix cache first (vllm/entrypoints/llm.py)."""
-        t0 = time.perf_counter()
         if self.args.sleep_level == 0:
             self.timings["sleep"] = 0.0
             return
+        t0 = time.perf_counter()
         self.llm.sleep(level=self.args.sleep_level)
         torch.cuda.empty_cache()  # refit buckets and sampler temporaries left in torch's cache
         self._asleep = {"weights", "kv_cache"}

@@ -2,14 +2,14 @@
 # One GPU session on the lent H200 machine (2 GPUs), in phases, so that the whole batch of GPU work fits in few
 # calls. The bundles (../shared/gpu/bundle.sh) and data are copied into ignored folders of the checkout and
 # carried one piece per call:
-#   bash bench/gpu_session.sh stage .gpu-site/part-00          # call 1
-#   bash bench/gpu_session.sh stage .gpu-site/part-01 site     # call 2: unpack vLLM & co into /tmp/site
-#   bash bench/gpu_session.sh start bench/queues/next.txt      # same call as site: data, start the job queue
-#     (bench/gpu_queue.py: jobs start when their GPUs are free, in file order; the file is re-read before every
+#   bash dev/gpu_session.sh stage .gpu-site/part-00          # call 1
+#   bash dev/gpu_session.sh stage .gpu-site/part-01 site     # call 2: unpack vLLM & co into /tmp/site
+#   bash dev/gpu_session.sh start dev/queues/next.txt      # same call as site: data, start the job queue
+#     (dev/gpu_queue.py: jobs start when their GPUs are free, in file order; the file is re-read before every
 #      launch, so edit it locally and any later call carries the new version: reorder, add, delete waiting jobs)
-#   bash bench/gpu_session.sh stage .gpu-model/part-00         # (learning runs only) SmolLM2, two more calls
-#   bash bench/gpu_session.sh stage .gpu-model/part-01 model
-#   bash bench/gpu_session.sh poll SECONDS                     # later calls: wait, then report and copy logs
+#   bash dev/gpu_session.sh stage .gpu-model/part-00         # (learning runs only) SmolLM2, two more calls
+#   bash dev/gpu_session.sh stage .gpu-model/part-01 model
+#   bash dev/gpu_session.sh poll SECONDS                     # later calls: wait, then report and copy logs
 # .gpu-assets/ (ignored, carried with the site and model pieces) holds what ../shared would give: the Qwen2.5 tokenizer
 # tarball, gsm8k_{train,test}.jsonl.xz, hh_test.jsonl.gz (../shared/data) and whl/ with trl 1.16.0 + liger-kernel
 # 0.8.5 wheels (pip download --no-deps). Several torchruns on one machine need distinct ports (PET_MASTER_PORT).
@@ -64,14 +64,14 @@ stage)
     echo "SmolLM2 folder: $SMOL"; echo "$SMOL" > /tmp/smol_path
   fi
   ;;
-start)  # after `stage ... site`: data, then the job queue of this session: start QUEUE_FILE (bench/queues/)
+start)  # after `stage ... site`: data, then the job queue of this session: start QUEUE_FILE (dev/queues/)
   mkdir -p /tmp/data/gsm8k /tmp/data/hh
   [ -f $A/gsm8k_train.jsonl.xz ] && xz -dc $A/gsm8k_train.jsonl.xz > /tmp/data/gsm8k/train.jsonl
   [ -f $A/gsm8k_test.jsonl.xz ] && xz -dc $A/gsm8k_test.jsonl.xz > /tmp/data/gsm8k/test.jsonl
   [ -f $A/hh_test.jsonl.gz ] && cp $A/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
   # what queue lines may use: $A (assets), $W05 (the W05 bench with its data), $L (logs)
   export A L W05="python3 bench/w05.py --tokenizer-tar $A/qwen2.5-tokenizer.tar.xz --gsm8k /tmp/data/gsm8k/train.jsonl --work-dir /tmp/w05"
-  setsid python3 bench/gpu_queue.py "${2:-bench/queues/next.txt}" > $L/queue.out 2>&1 < /dev/null &
+  setsid python3 dev/gpu_queue.py "${2:-dev/queues/next.txt}" > $L/queue.out 2>&1 < /dev/null &
   sleep 15; report
   ;;
 extra)  # extra NAME GPUS CMD: one more detached job now. CMD runs inside '...': no single quotes in it (session 6:

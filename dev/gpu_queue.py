@@ -1,6 +1,6 @@
 """The job queue of one GPU session: each job starts as soon as the GPUs it names are free, in file order.
 
-    setsid python3 bench/gpu_queue.py bench/queues/next.txt &      # bench/gpu_session.sh start QUEUE does this
+    setsid python3 dev/gpu_queue.py dev/queues/next.txt &      # dev/gpu_session.sh start QUEUE does this
 
 Queue file, one job per line: `NAME GPUS COMMAND...` (GPUS: `0`, `1` or `0,1`; `#` starts a comment). The file is
 read again before every launch, and every device call copies the working tree, so the queue can be edited in the

@@ -451,7 +451,7 @@ def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed
     if "generate_cpu" in engine.timings:  # vLLM: CPU seconds of its host loop (close to generate_s: host-bound)
         perf["generate_cpu_s"] = engine.timings["generate_cpu"]
     with timed(perf, "score"):
-        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True) if examples else []  # [] -> ['']
         prompts = [e.prompt_text for e in examples for _ in range(n)]
         answers = [e.answer for e in examples for _ in range(n)]
         res = score(reward_fn, prompts, texts, answers, timeout_s=args.reward_timeout)

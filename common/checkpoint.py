@@ -316,11 +316,15 @@ def save_checkpoint(ckpt_root: Path, step: int, state: dict, extra: dict | None 
                       else "there is no earlier checkpoint")
             free = shutil.disk_usage(root).free
             if _no_space(error) or free < size:  # torch.save on a full disk says "unexpected pos 704 vs 598"
-                error = (f"no space left on the device of {root}: {free / 2**30:.2f} GiB free, the checkpoint needs "
-                         f"about {size / 2**30:.2f} GiB; free some space (or lower --keep-last) and resume ({error})")
+                error = (f"no space left on the device of {root}: {_size(free)} free, the checkpoint needs about "
+                         f"{_size(size)}; free some space (or lower --keep-last) and resume ({error})")
         error, intact = D.broadcast_object((error, intact) if rank == 0 else None)
         raise CheckpointError(f"checkpoint at step {step} failed: {error}; {intact}")
     return final
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _no_space(error: str) -> bool:

@@ -80,6 +80,8 @@ class Args:
     """complete checkpoints kept on disk"""
     resume: str = ""
     """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
+    overwrite: bool = False
+    """start fresh in a run folder that holds an earlier run (deletes its checkpoints); without it that is refused"""
     export_hf: str = ""
     """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
     deterministic: bool = False
@@ -430,6 +432,7 @@ def main(args: Args) -> None:
         raise ValueError(f"--max-tokens-per-forward {args.max_tokens_per_forward} is smaller than one sequence "
                          f"({args.max_prompt_tokens + args.max_new_tokens} tokens); raise it, or 0 for the default")
     run_dir = Path(args.out_dir) / args.exp_name
+    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
@@ -712,6 +715,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
+    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

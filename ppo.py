@@ -92,6 +92,8 @@ class Args:
     """complete checkpoints kept on disk"""
     resume: str = ""
     """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
+    overwrite: bool = False
+    """start fresh in a run folder that holds an earlier run (deletes its checkpoints); without it that is refused"""
     export_hf: str = ""
     """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
     deterministic: bool = False
@@ -514,6 +516,7 @@ def main(args: Args) -> None:
     if args.kl_target > 0 and args.kl_coef <= 0:
         raise ValueError("--kl-target needs a starting --kl-coef > 0 (the controller scales it; 0 stays 0)")
     run_dir = Path(args.out_dir) / args.exp_name
+    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
@@ -849,6 +852,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
+    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

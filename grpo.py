@@ -80,6 +80,8 @@ class Args:
     """complete checkpoints kept on disk"""
     resume: str = ""
     """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
+    overwrite: bool = False
+    """start fresh in a run folder that holds an earlier run (deletes its checkpoints); without it that is refused"""
     export_hf: str = ""
     """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
     deterministic: bool = False
@@ -228,7 +230,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool,
     """A_i = r_i - mean of its group, divided by the group std (GRPO) or not (Dr. GRPO). rewards: (P*G,) prompt-major."""
     r = rewards.view(-1, group_size)  # (P, G)
     adv = r - r.mean(1, keepdim=True)
-    if scale_by_std:
+    if scale_by_std and group_size > 1:  # a group of one: its mean is itself, A = 0 (its std is undefined)
         adv = adv / (r.std(1, keepdim=True) + eps)  # unbiased std, as in the GRPO reference code
     return adv.flatten()
 
@@ -240,7 +242,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
-    return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+    if estimator == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3 (--kl-estimator)")
 
 
 def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: float):
@@ -256,11 +260,15 @@ def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: flo
 def loss_normaliser(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> float:
     """The denominator of the loss, computed once over the WHOLE mini-batch (all micro-batches, all ranks), so the
     gradient does not depend on how the mini-batch is split. mask: (B, T) response tokens in the loss."""
+    n_seq = int(mask.any(1).sum())  # sequences with a token in the loss (--overlong mask empties some)
     if loss_agg == "token-mean":
         return float(mask.sum().clamp(min=1))
     if loss_agg == "seq-mean-token-sum":
-        return float(mask.shape[0] * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
-    return float(mask.shape[0])  # seq-mean-token-mean: each sequence first averaged over its own tokens
+        return float(max(1, n_seq) * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
+    if loss_agg == "seq-mean-token-mean":
+        return float(max(1, n_seq))  # each sequence first averaged over its own tokens
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
+                     "seq-mean-token-mean (--loss-agg)")
 
 
 def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, normaliser: float) -> torch.Tensor:
@@ -268,7 +276,10 @@ def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, no
     if loss_agg == "seq-mean-token-mean":
         per_seq = (loss_tok * mask).sum(1) / mask.sum(1).clamp(min=1)
         return per_seq.sum() / normaliser
-    return (loss_tok * mask).sum() / normaliser
+    if loss_agg in ("token-mean", "seq-mean-token-sum"):
+        return (loss_tok * mask).sum() / normaliser
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
+                     "seq-mean-token-mean (--loss-agg)")
 
 
 def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -277,11 +288,13 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tenso
     return (r.max(1).values > r.min(1).values).repeat_interleave(group_size)
 
 
-def policy_loss(logp, entropy, mask, adv, old_logp, ref_logp, engine_logp, args: Args, normaliser: float):
+def policy_loss(logp, entropy, mask, adv, old_logp, ref_logp, engine_logp, args: Args, normaliser: float,
+                engine_mask=None):
     """One micro-batch's share of the GRPO loss, and its summed statistics. All (b, T) except adv (b,).
-    ref_logp is None when kl_coef == 0; engine_logp is 0 where the engine gave no log-probs."""
+    ref_logp is None when kl_coef == 0; engine_mask (bool) marks the tokens the engine gave a log-prob for (None:
+    all). A mask, not engine_logp != 0: a token of probability 1 has log-prob exactly 0."""
     loss_tok, clipped = clipped_pg_loss(logp, old_logp, adv, args.clip_eps_low, args.clip_eps_high)  # (b, T)
-    has_engine_logp = engine_logp.ne(0)
+    has_engine_logp = torch.ones_like(mask, dtype=torch.bool) if engine_mask is None else engine_mask
     stats = {}
     if args.tis_cap > 0:  # truncated IS: the engine sampled from a slightly different pi than the trainer computes
         w = torch.exp(old_logp - engine_logp).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
@@ -354,7 +367,7 @@ def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed
     if "generate_cpu" in engine.timings:  # vLLM: CPU seconds of its host loop (close to generate_s: host-bound)
         perf["generate_cpu_s"] = engine.timings["generate_cpu"]
     with timed(perf, "score"):
-        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True) if examples else []  # [] -> ['']
         prompts = [e.prompt_text for e in examples for _ in range(n)]
         answers = [e.answer for e in examples for _ in range(n)]
         res = score(reward_fn, prompts, texts, answers, timeout_s=args.reward_timeout)
@@ -374,7 +387,8 @@ def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
         if name == "accuracy":
             fmt = D.all_reduce(sum(format_reward(p, t, a) for p, t, a in zip(prompts, texts, answers)))
             metrics["eval/format"] = float(fmt / count.clamp(min=1))
-            metrics["eval/response_len"] = float(D.all_reduce(sum(map(len, rollout.response_ids))) / count)
+            n_tok = D.all_reduce(sum(map(len, rollout.response_ids)))
+            metrics["eval/response_len"] = float(n_tok / count.clamp(min=1))
     return metrics
 
 
@@ -386,6 +400,19 @@ def main(args: Args) -> None:
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 2 * d.world_size
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
+    for name, least in (("num_steps", 0), ("prompts_per_step", 1), ("group_size", 1), ("eval_size", 0), ("eval_n", 0),
+                        ("max_prompt_tokens", 1), ("max_new_tokens", 1), ("num_minibatches", 1), ("num_epochs", 1),
+                        ("max_tokens_per_microbatch", 1), ("max_tokens_per_forward", 0), ("lr", 0),
+                        ("warmup_steps", 0), ("keep_last", 1)):
+        if not getattr(args, name) >= least:  # `not >=`: NaN fails too
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
+    if args.group_size < 2:  # the mean of a group of one is its own reward: every advantage would be 0
+        raise ValueError(f"--group-size {args.group_size}: GRPO's baseline is the group mean, so a group of one has "
+                         f"advantage 0 (and with --scale-by-std an undefined std); use --group-size 2 or more")
+    if args.kl_estimator not in ("k1", "k2", "k3"):
+        raise ValueError(f"--kl-estimator {args.kl_estimator!r}: use k1, k2 or k3")
+    if args.loss_agg not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        raise ValueError(f"--loss-agg {args.loss_agg!r}: use token-mean, seq-mean-token-sum or seq-mean-token-mean")
     if args.prompts_per_step % d.world_size:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
                          f"({d.world_size}): each rank generates for its share of the prompts")
@@ -405,6 +432,7 @@ def main(args: Args) -> None:
         raise ValueError(f"--max-tokens-per-forward {args.max_tokens_per_forward} is smaller than one sequence "
                          f"({args.max_prompt_tokens + args.max_new_tokens} tokens); raise it, or 0 for the default")
     run_dir = Path(args.out_dir) / args.exp_name
+    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
@@ -544,7 +572,9 @@ def main(args: Args) -> None:
         perf["generate_slowest_s"] = max(part[10] for part in parts)  # the rank every other one waits for
         prompts = [p for part in parts for p in part[0]]
         responses = [r for part in parts for r in part[1]]
-        engine_logp = padded([lp for part in parts for lp in (part[2] or [[]] * len(part[1]))], width)  # (B, T)
+        engine_rows = [lp for part in parts for lp in (part[2] or [[]] * len(part[1]))]
+        engine_logp = padded(engine_rows, width)  # (B, T)
+        engine_mask = padded([[1.0] * len(lp) for lp in engine_rows], width).bool()  # (B, T) which it gave
         rewards, adv, truncated, correct = (torch.cat([part[i] for part in parts]) for i in (3, 4, 5, 6))  # (B,)
         B = len(responses)
         resp_len = torch.tensor([len(r) for r in responses])  # (B,)
@@ -556,7 +586,7 @@ def main(args: Args) -> None:
             keep = dynamic_sampling_keep(rewards, G)
         rows_all = keep.nonzero().flatten().tolist()
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-        mask, adv, engine_logp = mask.to(d.device), adv.to(d.device), engine_logp.to(d.device)
+        mask, adv, engine_logp, engine_mask = (x.to(d.device) for x in (mask, adv, engine_logp, engine_mask))
 
         # ---- 3. learn ---------------------------------------------------------------------------------------
         policy.train()
@@ -604,7 +634,7 @@ def main(args: Args) -> None:
                             logp, entropy, mask[mb.index], adv[mb.index],
                             old_logp[mb.index] if old_logp is not None else logp.detach(),
                             ref_logp[mb.index] if ref_logp is not None else None, engine_logp[mb.index], args,
-                            normaliser)
+                            normaliser, engine_mask[mb.index])
                         # FSDP averages gradients over ranks; the normaliser already covers every rank, so undo it.
                         (loss * d.world_size).backward()
                         mb_loss += loss.detach()
@@ -659,7 +689,7 @@ def main(args: Args) -> None:
             **({"train/kl": float(stats["kl"]) / ntok} if ref is not None else {}),
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
             **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) / ntok,
-                "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_logp.any() else {}),
+                "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_mask.any() else {}),
             **{f"perf/{k}": v for k, v in perf.items()},
             "perf/tokens_per_s_per_gpu": total_tokens / perf["step_s"] / d.world_size,
         }
@@ -685,6 +715,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
+    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

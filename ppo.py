@@ -92,6 +92,8 @@ class Args:
     """complete checkpoints kept on disk"""
     resume: str = ""
     """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
+    overwrite: bool = False
+    """start fresh in a run folder that holds an earlier run (deletes its checkpoints); without it that is refused"""
     export_hf: str = ""
     """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
     deterministic: bool = False
@@ -278,9 +280,16 @@ def clipped_value_loss(values, old_values, returns, vf_clip: float):
     unclipped = (values - returns) ** 2
     if vf_clip <= 0:
         return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
-    v_clip = old_values + (values - old_values).clamp(-vf_clip, vf_clip)
+    # inside the range V itself: old + (V - old) can differ from V by a rounding error and win the max
+    outside = (values - old_values).abs() > vf_clip
+    v_clip = torch.where(outside, old_values + (values - old_values).clamp(-vf_clip, vf_clip), values)
     clipped = (v_clip - returns) ** 2
-    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped)
+    return 0.5 * torch.maximum(unclipped, clipped), outside & (clipped > unclipped)
+
+
+def approx_kl(logp, old_logp):
+    """Per-token k3 estimate of KL(pi_old || pi) from tokens sampled from pi_old: r - 1 - log r, r = pi / pi_old."""
+    return kl_penalty(old_logp, logp, "k3")
 
 
 def update_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: int, n_steps: int) -> float:
@@ -308,7 +317,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
-    return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+    if estimator == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3 (--kl-estimator)")
 
 
 # Same as grpo.py:clipped_pg_loss
@@ -326,11 +337,15 @@ def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: flo
 def loss_normaliser(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> float:
     """The denominator of the loss, computed once over the WHOLE mini-batch (all micro-batches, all ranks), so the
     gradient does not depend on how the mini-batch is split. mask: (B, T) response tokens in the loss."""
+    n_seq = int(mask.any(1).sum())  # sequences with a token in the loss (--overlong mask empties some)
     if loss_agg == "token-mean":
         return float(mask.sum().clamp(min=1))
     if loss_agg == "seq-mean-token-sum":
-        return float(mask.shape[0] * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
-    return float(mask.shape[0])  # seq-mean-token-mean: each sequence first averaged over its own tokens
+        return float(max(1, n_seq) * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
+    if loss_agg == "seq-mean-token-mean":
+        return float(max(1, n_seq))  # each sequence first averaged over its own tokens
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
+                     "seq-mean-token-mean (--loss-agg)")
 
 
 # Same as grpo.py:aggregate_loss
@@ -339,7 +354,10 @@ def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, no
     if loss_agg == "seq-mean-token-mean":
         per_seq = (loss_tok * mask).sum(1) / mask.sum(1).clamp(min=1)
         return per_seq.sum() / normaliser
-    return (loss_tok * mask).sum() / normaliser
+    if loss_agg in ("token-mean", "seq-mean-token-sum"):
+        return (loss_tok * mask).sum() / normaliser
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
+                     "seq-mean-token-mean (--loss-agg)")
 
 
 # Same as grpo.py:lr_lambda
@@ -376,7 +394,9 @@ class ValueModel(nn.Module):
     def forward(self, input_ids, position_ids, **attn_kwargs):
         hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                **attn_kwargs).last_hidden_state  # (1, T, H)
-        return self.head(hidden).squeeze(-1).float()  # (1, T)
+        # a new tensor, not head(hidden).squeeze(-1) (a view): FSDP2 warns that an in-place op on a view returned
+        # by a sharded module would skip its pre-backward all-gather (tests/test_defects_ppo.py checks the gradients)
+        return (hidden @ self.head.weight[0] + self.head.bias[0]).float()  # (1, T)
 
 
 @torch.no_grad()
@@ -433,7 +453,7 @@ def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed
     if "generate_cpu" in engine.timings:  # vLLM: CPU seconds of its host loop (close to generate_s: host-bound)
         perf["generate_cpu_s"] = engine.timings["generate_cpu"]
     with timed(perf, "score"):
-        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True) if examples else []  # [] -> ['']
         prompts = [e.prompt_text for e in examples for _ in range(n)]
         answers = [e.answer for e in examples for _ in range(n)]
         res = score(reward_fn, prompts, texts, answers, timeout_s=args.reward_timeout)
@@ -454,7 +474,8 @@ def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
         if name == "accuracy":
             fmt = D.all_reduce(sum(format_reward(p, t, a) for p, t, a in zip(prompts, texts, answers)))
             metrics["eval/format"] = float(fmt / count.clamp(min=1))
-            metrics["eval/response_len"] = float(D.all_reduce(sum(map(len, rollout.response_ids))) / count)
+            n_tok = D.all_reduce(sum(map(len, rollout.response_ids)))
+            metrics["eval/response_len"] = float(n_tok / count.clamp(min=1))
     return metrics
 
 
@@ -466,6 +487,14 @@ def main(args: Args) -> None:
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 16 * d.world_size
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
+    for name, least in (("num_steps", 0), ("prompts_per_step", 1), ("samples_per_prompt", 1), ("eval_size", 0),
+                        ("eval_n", 0), ("max_prompt_tokens", 1), ("max_new_tokens", 1), ("num_minibatches", 1),
+                        ("num_epochs", 1), ("max_tokens_per_microbatch", 1), ("max_tokens_per_forward", 0), ("lr", 0),
+                        ("critic_lr", 0), ("warmup_steps", 0), ("critic_warmup_steps", 0), ("keep_last", 1)):
+        if not getattr(args, name) >= least:  # `not >=`: NaN fails too
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
+    if args.loss_agg not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        raise ValueError(f"--loss-agg {args.loss_agg!r}: use token-mean, seq-mean-token-sum or seq-mean-token-mean")
     if args.prompts_per_step % d.world_size:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
                          f"({d.world_size}): each rank generates for its share of the prompts")
@@ -487,6 +516,7 @@ def main(args: Args) -> None:
     if args.kl_target > 0 and args.kl_coef <= 0:
         raise ValueError("--kl-target needs a starting --kl-coef > 0 (the controller scales it; 0 stays 0)")
     run_dir = Path(args.out_dir) / args.exp_name
+    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
@@ -633,14 +663,16 @@ def main(args: Args) -> None:
         perf["generate_slowest_s"] = max(part[9] for part in parts)  # the rank every other one waits for
         prompts = [p for part in parts for p in part[0]]
         responses = [r for part in parts for r in part[1]]
-        engine_logp = padded([lp for part in parts for lp in (part[2] or [[]] * len(part[1]))], width)  # (B, T)
+        engine_rows = [lp for part in parts for lp in (part[2] or [[]] * len(part[1]))]
+        engine_logp = padded(engine_rows, width)  # (B, T)
+        engine_mask = padded([[1.0] * len(lp) for lp in engine_rows], width).bool()  # (B, T) which it gave
         rewards, truncated, correct = (torch.cat([part[i] for part in parts]) for i in (3, 4, 5))  # (B,)
         B = len(responses)
         resp_len = torch.tensor([len(r) for r in responses])  # (B,)
         mask = (torch.arange(width)[None] < resp_len[:, None]).float()  # (B, T)
         rows_all = list(range(B))
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-        mask, engine_logp = mask.to(d.device), engine_logp.to(d.device)
+        mask, engine_logp, engine_mask = mask.to(d.device), engine_logp.to(d.device), engine_mask.to(d.device)
         rewards, truncated = rewards.to(d.device), truncated.to(d.device)
         # old log-probs, reference log-probs and old values, all before the first update (PPO always needs them)
         ref_logp = None
@@ -702,7 +734,7 @@ def main(args: Args) -> None:
                         loss_tok, clipped = (x.view_as(m) for x in clipped_pg_loss(
                             logp.reshape(-1, 1), old.reshape(-1, 1), adv[idx].flatten(), args.clip_eps_low,
                             args.clip_eps_high))  # (b, T)
-                        has_engine_logp = engine_logp[idx].ne(0)
+                        has_engine_logp = engine_mask[idx]  # not engine_logp != 0: log 1 = 0 is a log-prob
                         if args.tis_cap > 0:  # truncated IS: correct for the engine sampling from a slightly other pi
                             w = torch.exp(old - engine_logp[idx]).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
                             loss_tok = loss_tok * w
@@ -722,7 +754,7 @@ def main(args: Args) -> None:
                             stats["entropy"] += (entropy * m).sum()
                             stats["clip_frac"] += (clipped.float() * m).sum()
                             stats["vf_clip_frac"] += (vf_clipped.float() * m).sum()
-                            stats["approx_kl"] += (kl_penalty(logp, old, "k3") * m).sum()  # KL(pi_old || pi), k3
+                            stats["approx_kl"] += (approx_kl(logp, old) * m).sum()  # KL(pi_old || pi), k3
                             stats["tokens"] += m.sum()
                             if epoch == 0:  # vLLM-vs-trainer log-prob gap on the sampled tokens, before any update
                                 gap = ((old - engine_logp[idx]).abs() * m).where(has_engine_logp, 0.0)
@@ -792,7 +824,7 @@ def main(args: Args) -> None:
                 "train/kl_seq": float(kl_tok.sum(1).mean())} if ref is not None else {}),
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
             **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) * args.num_epochs / ntok,
-                "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_logp.any() else {}),
+                "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_mask.any() else {}),
             **{f"perf/{k}": v for k, v in perf.items()},
             "perf/tokens_per_s_per_gpu": total_tokens / perf["step_s"] / d.world_size,
         }
@@ -820,6 +852,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
+    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

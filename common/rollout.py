@@ -30,6 +30,8 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompt_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, seed=0,
                  stop_token_ids=None, ignore_eos=False, logprobs=True) -> Rollout:
+        if not prompt_ids:  # a rank with no prompts (e.g. fewer --eval-size prompts than ranks)
+            return Rollout([], [], [] if logprobs else None, [])
         stops = list(stop_token_ids or self.eos)
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad, dtype=torch.long)

@@ -53,12 +53,16 @@ from common import checkpoint as C
 from common import dist as D
 from common.attention import attn_kwargs, describe, register_varlen_attention
 from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
+from common.determinism import set_deterministic
 from common.flops import PEAK_FLOPS, batch_train_flops, mfu
 from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, place_frozen, reshard, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from common.nan_guard import NanGuard
 from common.packing import pack, shard_microbatches
 from common.rewards import format_reward, load_reward_fn, score
 from common.rollout import HFEngine
+from common.run_dir import claim_run_dir
+from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
 from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
 from common.vllm_engine import VLLMArgs
 
@@ -481,7 +485,7 @@ def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
 
 def main(args: Args) -> None:
     d = D.init_distributed(args.device)
-    C.set_deterministic(args.deterministic)
+    set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
     register_varlen_attention()  # makes --attn-impl varlen known to transformers
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
@@ -516,7 +520,7 @@ def main(args: Args) -> None:
     if args.kl_target > 0 and args.kl_coef <= 0:
         raise ValueError("--kl-target needs a starting --kl-coef > 0 (the controller scales it; 0 stays 0)")
     run_dir = Path(args.out_dir) / args.exp_name
-    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
+    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
@@ -575,7 +579,7 @@ def main(args: Args) -> None:
         extra = C.load_checkpoint(resume_from, state)
         start, kl_coef = extra["step"], extra["kl_coef"]
         sampler.load_state_dict(extra["sampler"])
-    stop, guard = C.install_stop_handler(), C.NanGuard(args.max_bad_updates, ckpt_root)
+    stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind, "model_path": model_path,
                               "critic_path": critic_path, "train_prompts": len(train),
                               "train_prompts_dropped_too_long": dropped, "resumed_from": str(resume_from or "")}
@@ -839,7 +843,7 @@ def main(args: Args) -> None:
                 f" | {perf['step_s']:.1f} s/step"
                 + "".join(f" | {k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")))
         progress.update(line, reward=float(rewards.mean()), s_per_step=perf["step_s"])
-        stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
+        stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == args.num_steps or (args.save_every and (step + 1) % args.save_every == 0):
             C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "sampler": sampler.state_dict(),
                                                            "kl_coef": kl_coef}, args.keep_last)
@@ -852,7 +856,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
-    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
+    exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

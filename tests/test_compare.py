@@ -30,8 +30,8 @@ def make_run(root, name, loss_agg, seed, rewards, acc, lr=1e-6, **extra):
 
 @pytest.fixture
 def sweep(tmp_path):
-    make_run(tmp_path, "a1", "token-mean", 1, [0.1, 0.3, 0.5], [0.0, 0.4])
-    make_run(tmp_path, "a2", "token-mean", 2, [0.3, 0.5, 0.9], [0.2, 0.6])
+    make_run(tmp_path, "a1", "token-mean", 1, [0.3, 0.5, 0.9], [0.0, 0.4])  # seed 1 above seed 2
+    make_run(tmp_path, "a2", "token-mean", 2, [0.1, 0.3, 0.5], [0.2, 0.6])
     make_run(tmp_path, "b1", "seq-mean-token-mean", 1, [0.2, 0.2, 0.2], [0.1, 0.1])
     make_run(tmp_path, "b2", "seq-mean-token-mean", 2, [0.4, 0.6, 0.8], [0.1, 0.3])
     return tmp_path

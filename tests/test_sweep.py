@@ -16,8 +16,10 @@ from tools import sweep as S
 # A stand-in for a training script: writes config.json, one metrics row and one checkpoint (with COMPLETE) per
 # step, resumes from the newest checkpoint with --resume latest, and fails with --loss-agg bad.
 FAKE = r'''
-import json, os, sys, time
+import json, os, signal, sys, time
 from pathlib import Path
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # as grpo.py: checkpoint after this step, then leave
 a = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 run = Path(a["--out-dir"]) / a["--exp-name"]
 n, sleep = int(a.get("--num-steps", 3)), float(a.get("--step-sleep", 0))
@@ -44,6 +46,9 @@ with open(run / "metrics.jsonl", "a" if start else "w") as f:
         c = run / "checkpoints" / f"step_{step + 1:06d}"
         c.mkdir(parents=True)
         (c / "COMPLETE").write_text("{}")
+        if stop:
+            print("stopped by signal after step", step, flush=True)
+            break
 '''
 
 
@@ -128,6 +133,27 @@ def test_killed_sweep_resumes_without_rerunning_finished_cells(tmp_path):
     assert [json.loads(l)["step"] for l in open(second / "metrics.jsonl")] == [0, 1, 2]  # each step once
     assert all(man[n]["status"] == "complete" for n in NAMES[1:])
     assert all(S.cell_state(tmp_path / "out" / "abl" / n) == "complete" for n in NAMES)
+
+
+def test_sigterm_stops_the_sweep_and_its_cell_checkpoints(tmp_path):
+    cmd = sweep_cmd(tmp_path, sleep=0.5)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = tmp_path / "out" / "abl" / NAMES[0]
+    deadline = time.time() + 60
+    while not S.checkpoint_steps(first) and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)  # to the sweep only: it passes the signal on to the running cell
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 1, out
+    man = cells(tmp_path)
+    assert man[NAMES[0]]["status"] == "interrupted" and S.cell_state(first) == "resume"
+    assert "stopped by signal" in (first / "sweep.log").read_text()
+    assert [man[n]["status"] for n in NAMES[1:]] == ["pending"] * 3 and "not started" in out
+    p2 = run_sweep(cmd)
+    assert p2.returncode == 0, p2.stdout + p2.stderr
+    assert all(c["status"] == "complete" for c in cells(tmp_path).values())
+    assert [json.loads(l)["step"] for l in open(first / "metrics.jsonl")] == [0, 1, 2]
 
 
 def test_parallel_cells_get_disjoint_gpus_and_ports(tmp_path):

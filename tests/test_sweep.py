@@ -29,8 +29,9 @@ if a.get("--resume") == "latest":
 env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "PET_MASTER_PORT", "WANDB_RUN_GROUP", "WANDB_TAGS",
                                       "WANDB_CONFIG_PATHS")}
 run.mkdir(parents=True, exist_ok=True)
-(run / "config.json").write_text(json.dumps({"num_steps": n, "eval_every": 0, "seed": int(a["--seed"]), "t0": time.time(),
-                                             "loss_agg": a["--loss-agg"], "argv": sys.argv, "env": env}))
+(run / "config.json").write_text(json.dumps({"num_steps": n, "eval_every": 0, "seed": int(a["--seed"]),
+                                             "loss_agg": a["--loss-agg"], "argv": sys.argv, "env": env,
+                                             "t0": time.time()}))
 print("fake run", run, "from step", start, flush=True)
 if a["--loss-agg"] == "bad":
     print("boom: unknown loss", file=sys.stderr)
@@ -208,3 +209,28 @@ def test_real_grpo_grid(tmp_path, tiny_model_dir):
     assert out.stat().st_size > 0
     header = out.with_suffix(".md").read_text().splitlines()[0]
     assert header == "| loss_agg | seeds | runs | eval/accuracy | reward/mean |"
+
+
+def test_cell_state_needs_final_checkpoint_and_final_row(tmp_path):
+    run = tmp_path / "run"
+    assert S.cell_state(run) == "new"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"num_steps": 4, "eval_every": 2}))
+    for step in (2, 4):
+        (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "COMPLETE").write_text("{}")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(4)))
+    assert S.cell_state(run) == "resume"  # step_000004 has no COMPLETE marker: killed while saving
+    (run / "checkpoints" / "step_000004" / "COMPLETE").write_text("{}")
+    assert S.cell_state(run) == "resume"  # killed during the final evaluation (its row, step 4, is missing)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "eval/accuracy": 0.5}) + "\n")
+    assert S.cell_state(run) == "complete"
+
+
+def test_rerun_with_another_base_command_is_refused(tmp_path):
+    assert run_sweep(sweep_cmd(tmp_path, grid=("loss_agg=token-mean", "seed=1"))).returncode == 0
+    cmd = sweep_cmd(tmp_path, grid=("loss_agg=token-mean", "seed=1"))
+    cmd[cmd.index("--num-steps") + 1] = "5"
+    p = run_sweep(cmd)
+    assert p.returncode != 0 and "written for another base command" in p.stderr

@@ -162,7 +162,8 @@ def compare(run_dirs: list[str], metrics: list[str], x: str = "step"):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="run folders, or folders of run folders (a sweep)")
-    ap.add_argument("--metrics", nargs="+", default=["eval/accuracy", "reward/mean"], help="metric keys, one panel each")
+    ap.add_argument("--metrics", nargs="+", default=["eval/accuracy", "reward/mean"],
+                    help="metric keys, one panel each")
     ap.add_argument("--x", choices=["step", "sequences"], default="step", help="x axis")
     ap.add_argument("--out", default="compare.png", help="the PNG; the table goes next to it as .md")
     a = ap.parse_args(argv)

@@ -293,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     if sweep.manifest.exists():
         old = json.loads(sweep.manifest.read_text())
         if old.get("base_command") != base:
-            raise SystemExit(f"{sweep.manifest} was written for another base command:\n  {shlex.join(old['base_command'])}"
-                             f"\nits cells would mix two configurations; use another --name (or delete the folder)")
+            raise SystemExit(f"{sweep.manifest} was written for another base command:\n  "
+                             f"{shlex.join(old['base_command'])}\nits cells would mix two configurations; use "
+                             f"another --name (or delete the folder)")
     if a.dry_run:
         for c in sweep.cells:
             st = cell_state(Path(c["run_dir"]))

@@ -160,7 +160,8 @@ def compare(run_dirs: list[str], metrics: list[str], x: str = "step"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run folders, or folders of run folders (a sweep)")
     ap.add_argument("--metrics", nargs="+", default=["eval/accuracy", "reward/mean"],
                     help="metric keys, one panel each")

@@ -2,7 +2,8 @@
 
     python -m tools.sweep --name loss_agg --grid loss_agg=token-mean,seq-mean-token-mean --grid seed=1,2 \\
         -- torchrun --standalone --nproc_per_node=1 grpo.py --num-steps 50 --track
-    python -m tools.sweep --cmd "python grpo.py --num-steps 3" --grid seed=1,2,3 --gpus 0,1,2,3 --gpus-per-cell 2
+    python -m tools.sweep --cmd "python grpo.py --num-steps 3" --grid seed=1,2,3               # CPU, one at a time
+    python -m tools.sweep --gpus 0,1,2,3 --gpus-per-cell 2 --grid seed=1,2,3 -- torchrun --nproc_per_node=2 grpo.py
 
 Each cell adds `--<key> <value>` per grid key (loss_agg and loss-agg both give --loss-agg; true/false give
 --key / --no-key) and `--out-dir <out-dir>/<name> --exp-name <cell>`, so its run folder is
@@ -134,6 +135,8 @@ def cell_state(run_dir: Path) -> str:
 def gpu_slots(gpus: str, per_cell: int) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES of each slot that runs a cell (None: leave the environment as it is)."""
     if per_cell <= 0:
+        if gpus:
+            raise SystemExit(f"--gpus {gpus} needs --gpus-per-cell K (the GPUs each cell gets)")
         return [None]
     if not gpus:
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, rest = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(prog="python -m tools.sweep", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m tools.sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cmd", default="", help="the base command as one string (or give it after --)")
     ap.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... (repeat for more keys)")

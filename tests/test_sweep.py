@@ -26,8 +26,7 @@ n, sleep = int(a.get("--num-steps", 3)), float(a.get("--step-sleep", 0))
 start = 0
 if a.get("--resume") == "latest":
     start = max(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*") if (p / "COMPLETE").exists())
-env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "PET_MASTER_PORT", "WANDB_RUN_GROUP", "WANDB_TAGS",
-                                      "WANDB_CONFIG_PATHS")}
+env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "PET_MASTER_PORT", "WANDB_RUN_GROUP", "WANDB_TAGS")}
 run.mkdir(parents=True, exist_ok=True)
 (run / "config.json").write_text(json.dumps({"num_steps": n, "eval_every": 0, "seed": int(a["--seed"]),
                                              "loss_agg": a["--loss-agg"], "argv": sys.argv, "env": env,
@@ -61,9 +60,9 @@ def sweep_cmd(tmp_path, *args, grid=("loss_agg=token-mean,seq-mean-token-mean", 
             sys.executable, str(fake), "--num-steps", "3", "--step-sleep", str(sleep)]
 
 
-def run_sweep(cmd, **kw):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, **kw)
+def run_sweep(cmd, env=None):
+    env = {**(env or os.environ), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def cells(tmp_path):
@@ -88,7 +87,6 @@ def test_grid_completes_with_folders_flags_and_wandb_env(tmp_path):
         assert cfg["loss_agg"] == vals["loss_agg"] and cfg["seed"] == int(vals["seed"])
         assert cfg["env"]["WANDB_RUN_GROUP"] == "abl"
         assert cfg["env"]["WANDB_TAGS"].split(",") == [f"loss_agg={vals['loss_agg']}", f"seed={vals['seed']}"]
-        assert json.loads(Path(cfg["env"]["WANDB_CONFIG_PATHS"]).read_text())["sweep_values"] == vals
         assert cfg["env"]["CUDA_VISIBLE_DEVICES"] == os.environ.get("CUDA_VISIBLE_DEVICES")  # sequential: untouched
         assert "fake run" in (run / "sweep.log").read_text()
     doc = json.loads((tmp_path / "out" / "abl" / "sweep.json").read_text())
@@ -97,6 +95,23 @@ def test_grid_completes_with_folders_flags_and_wandb_env(tmp_path):
     # a rerun of a finished sweep runs nothing
     again = run_sweep(sweep_cmd(tmp_path))
     assert again.returncode == 0 and again.stdout.count("complete, skipped") == 4, again.stdout
+
+
+def test_wandb_reads_the_group_and_tags(tmp_path):
+    """The real wandb (offline) in a cell: the run lands in the sweep's group with the cell's tags."""
+    script = tmp_path / "wandb_cell.py"
+    script.write_text("import json, sys, wandb\n"
+                      "a = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
+                      "r = wandb.init(project='p', name=a['--exp-name'], dir=a['--out-dir'], mode='offline')\n"
+                      "print('WANDB', json.dumps({'group': r.group, 'tags': list(r.tags)}))\n"
+                      "r.finish()\n")
+    p = run_sweep([sys.executable, "-m", "tools.sweep", "--name", "wb", "--out-dir", str(tmp_path / "out"),
+                   "--grid", "loss_agg=token-mean", "--grid", "seed=3", "--", sys.executable, str(script)],
+                  env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"})
+    log = (tmp_path / "out" / "wb" / "loss_agg=token-mean,seed=3" / "sweep.log").read_text()
+    assert p.returncode == 1  # the stand-in writes no checkpoint, so the cell is not complete
+    got = json.loads(next(l for l in log.splitlines() if l.startswith("WANDB "))[6:])
+    assert got == {"group": "wb", "tags": ["loss_agg=token-mean", "seed=3"]}, log
 
 
 def test_failing_cell_is_reported_and_the_others_run(tmp_path):

@@ -8,8 +8,8 @@
 Each cell adds `--<key> <value>` per grid key (loss_agg and loss-agg both give --loss-agg; true/false give
 --key / --no-key) and `--out-dir <out-dir>/<name> --exp-name <cell>`, so its run folder is
 <out-dir>/<name>/<cell>, the cell named `key=value,key=value`. Its stdout and stderr go to <run folder>/sweep.log.
-wandb (with --track in the command): WANDB_RUN_GROUP=<name>, WANDB_TAGS=the cell's key=value pairs and
-WANDB_CONFIG_PATHS=<run folder>/sweep_cell.json (sweep, cell, values) are set, which wandb.init reads itself.
+wandb (with --track in the command): WANDB_RUN_GROUP=<name> and WANDB_TAGS=the cell's key=value pairs are set,
+which wandb.init reads itself; the cell's values are in the run's config as the flags they are.
 A cell is complete when its run folder holds the final checkpoint (checkpoints/step_<N>/COMPLETE, N from
 config.json) and metrics.jsonl holds the final step (N with evaluation on, else N - 1); complete cells are skipped,
 a cell with a complete checkpoint is resumed with --resume latest, any other one starts over. A failed cell is
@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 LOG = "sweep.log"
-CELL_CONFIG = "sweep_cell.json"
 
 
 def parse_grid(items: list[str]) -> dict[str, list[str]]:
@@ -183,10 +182,9 @@ class Sweep:
         run_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.base + cell_args(cell["values"]) + ["--out-dir", str(self.dir), "--exp-name", cell["name"]]
         cmd += ["--resume", "latest"] if state == "resume" else []
-        (run_dir / CELL_CONFIG).write_text(json.dumps({"sweep": self.dir.name, "sweep_cell": cell["name"],
-                                                       "sweep_values": cell["values"]}))
+        # wandb 0.31 reads these two itself (WANDB_CONFIG_PATHS it rejects when set from the environment)
         env = {**os.environ, "WANDB_RUN_GROUP": self.dir.name, "WANDB_TAGS": cell["name"],
-               "WANDB_CONFIG_PATHS": str(run_dir / CELL_CONFIG), "PET_MASTER_PORT": str(self.base_port + slot)}
+               "PET_MASTER_PORT": str(self.base_port + slot)}
         if self.slots[slot] is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.slots[slot]
         cell.update(command=cmd, gpus=self.slots[slot], status="running (resumed)" if state == "resume" else "running")

@@ -102,7 +102,7 @@ class Args:
     ref_model: str | None = None
     """reference model pi_ref (same tokenizer); None: the initial policy weights"""
     dataset: str = "Anthropic/hh-rlhf"
-    """HF dataset id, or a local .jsonl(.gz)/.parquet file or folder (python -m common.preference make-pairs)"""
+    """HF dataset id, or a local .jsonl(.gz)/.parquet file or folder (python -m tools.make_pairs)"""
     dataset_config: str | None = None
     """HF dataset config name"""
     train_split: str = "train"

@@ -56,6 +56,7 @@ from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer, 
 from common.packing import shard_microbatches
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
                                reference_logprobs, response_logp_sums)
+from common.progress import note, phase
 from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
 
 
@@ -95,8 +96,9 @@ class Args:
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (the policy, and the reference by default)"""
     ref_model: str | None = None
     """reference model pi_ref (same tokenizer); None: the initial policy weights"""
-    dataset: str = "Anthropic/hh-rlhf"
-    """HF dataset id, or a local .jsonl(.gz)/.parquet file or folder (python -m common.preference make-pairs)"""
+    dataset: str = str(Path(__file__).resolve().parent / "data" / "hh-rlhf-harmless" / "short.jsonl.gz")
+    """HF dataset id (Anthropic/hh-rlhf), or a local .jsonl(.gz)/.parquet file or folder; default: 488 short HH-RLHF
+    harmless pairs shipped in data/ (data/hh-rlhf-harmless/README.md)"""
     dataset_config: str | None = None
     """HF dataset config name"""
     train_split: str = "train"
@@ -302,6 +304,7 @@ def main(args: Args) -> None:
         def compute():  # the initial policy is pi_ref unless --ref-model names another
             model = policy if args.ref_model is None else load_ref()
             return reference_logprobs(model, pairs, d.world_size, d.rank, args.max_tokens_per_microbatch, d.device)
+        note(d.is_main, f"reference log-probs of {len(pairs)} pairs (once; cached in {args.cache_dir})")
         with timed(perf0, "ref_pass"):
             ref_table, hit = cached_reference_logprobs(args.cache_dir, key, compute, spec | {"ref_model": ref_path})
         ref_table = ref_table.to(d.device)  # (N, 2) summed log pi_ref of [chosen, rejected]
@@ -361,6 +364,7 @@ def main(args: Args) -> None:
         t_step = time.perf_counter()
         metrics = {}
         if args.eval_every and eval_ids and (step % args.eval_every == 0 or step == num_steps):
+            phase(progress, step, f"evaluating on {len(eval_ids)} held-out pairs")
             with timed(perf, "eval"):
                 metrics |= evaluate(policy, pairs, eval_ids, ref_table, ref_model, args, d)
         if step == num_steps:  # the final evaluation ran on the final weights

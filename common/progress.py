@@ -1,6 +1,6 @@
 """What a run is doing between its step lines, said on rank 0 only: one call per phase in the scripts' loops.
 
-    phase(progress, step, f"generating {P} x {G}")   # the bar (common.tracking.Progress) reads "step 3: generating 4 x 8"
+    phase(progress, step, f"generating {P} x {G}")   # the bar (common.tracking.Progress): "step 3: generating 4 x 8"
 
 On a terminal the phase goes into the progress bar's description, and the HF engine adds the decoding position
 ("... token 17/48"), so the bar moves within a step. Without a bar (a log file, CI) the phases of the first step

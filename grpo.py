@@ -45,7 +45,7 @@ from common.flops import PEAK_FLOPS, batch_train_flops, mfu
 from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, place_frozen, reshard, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack, shard_microbatches
-from common.progress import phase
+from common.progress import show_phase
 from common.rewards import format_reward, load_reward_fn, score
 from common.rollout import HFEngine
 from common.tracking import Profile, Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
@@ -497,7 +497,7 @@ def main(args: Args) -> None:
             engine.wake(["kv_cache"])
         metrics = {}
         if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
-            phase(progress, step, f"evaluating on {args.eval_size} held-out prompts (greedy)")
+            show_phase(progress, step, f"evaluating on {args.eval_size} held-out prompts (greedy)")
             with timed(perf, "eval"):
                 metrics |= evaluate(engine, evals, args, reward_fn, tok, stop_ids, step)
         if step == args.num_steps:  # the final evaluation ran on the final weights
@@ -509,7 +509,7 @@ def main(args: Args) -> None:
 
         # ---- 1. generate ------------------------------------------------------------------------------------
         batch = sampler.next_batch()  # this rank's P / world prompts
-        phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
+        show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
         prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}_generate", trace=False,
                        python=True)  # generation is host-bound: where vLLM's Python time goes
         rollout, texts, prompt_texts, answers, res = generate_and_score(
@@ -563,7 +563,7 @@ def main(args: Args) -> None:
 
         # ---- 3. learn ---------------------------------------------------------------------------------------
         policy.train()
-        phase(progress, step, f"learning from {len(rows_all)} sequences")
+        show_phase(progress, step, f"learning from {len(rows_all)} sequences")
         prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}")
         old_logp = ref_logp = None
         if ref_early:

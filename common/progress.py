@@ -1,6 +1,6 @@
 """What a run is doing between its step lines, said on rank 0 only: one call per phase in the scripts' loops.
 
-    phase(progress, step, f"generating {P} x {G}")   # the bar (common.tracking.Progress): "step 3: generating 4 x 8"
+    show_phase(progress, step, f"generating {P} x {G}")   # the bar (tracking.Progress): "step 3: generating 4 x 8"
 
 On a terminal the phase goes into the progress bar's description, and the HF engine adds the decoding position
 ("... token 17/48"), so the bar moves within a step. Without a bar (a log file, CI) the phases of the first step
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from transformers.generation.streamers import BaseStreamer
 
-_active: dict = {}  # the bar and phase text the HF engine's token streamer writes into (rank 0, while phase() holds)
-_first_step: list[int] = []  # the first step phase() saw: its phases are printed when there is no bar
+_active: dict = {}  # the bar and phase text the HF engine's token streamer writes into (rank 0, set by show_phase)
+_first_step: list[int] = []  # the first step show_phase() saw: its phases are printed when there is no bar
 
 
 def note(enabled: bool, text: str) -> None:
@@ -20,7 +20,7 @@ def note(enabled: bool, text: str) -> None:
         print(text + " ...", flush=True)
 
 
-def phase(progress, step: int, text: str) -> None:
+def show_phase(progress, step: int, text: str) -> None:
     """Say that `step` is now in phase `text` (on the bar, or as a line during the first step without one)."""
     if not progress.enabled:
         return

@@ -28,9 +28,9 @@ def _bar_progress() -> Progress:
 def test_without_bar_prints_the_first_steps_phases_only(capsys):
     progress = Progress(True, 10)  # stderr is not a terminal under pytest: no bar, lines only
     assert progress.bar is None or progress.bar.disable
-    P.phase(progress, 3, "evaluating on 16 held-out prompts (greedy)")
-    P.phase(progress, 3, "generating 2 prompts x 8 samples")
-    P.phase(progress, 4, "generating 2 prompts x 8 samples")
+    P.show_phase(progress, 3, "evaluating on 16 held-out prompts (greedy)")
+    P.show_phase(progress, 3, "generating 2 prompts x 8 samples")
+    P.show_phase(progress, 4, "generating 2 prompts x 8 samples")
     out = capsys.readouterr().out.splitlines()
     assert out == ["step 3: evaluating on 16 held-out prompts (greedy) ...", "step 3: generating 2 prompts x 8 samples ..."]
     assert P.token_streamer(48) is None  # no bar: no per-token output
@@ -38,14 +38,14 @@ def test_without_bar_prints_the_first_steps_phases_only(capsys):
 
 def test_other_ranks_say_nothing(capsys):
     progress = Progress(False, 10)
-    P.phase(progress, 0, "generating 2 prompts x 8 samples")
+    P.show_phase(progress, 0, "generating 2 prompts x 8 samples")
     P.note(False, "reference log-probs of 10 pairs")
     assert capsys.readouterr().out == "" and P.token_streamer(48) is None
 
 
 def test_bar_shows_phase_and_moves_with_tokens(capsys):
     progress = _bar_progress()
-    P.phase(progress, 2, "generating 2 prompts x 8 samples")
+    P.show_phase(progress, 2, "generating 2 prompts x 8 samples")
     assert progress.bar.desc == "step 2: generating 2 prompts x 8 samples"
     streamer = P.token_streamer(48)
     seen = []
@@ -71,7 +71,7 @@ def test_hf_engine_reports_tokens_on_the_bar(tmp_path):
     progress = _bar_progress()
     descs = []
     progress.bar.set_description_str = lambda s, refresh=True: descs.append(s)
-    P.phase(progress, 0, "generating 1 prompts x 2 samples")
+    P.show_phase(progress, 0, "generating 1 prompts x 2 samples")
     out = engine.generate([[1, 2, 3]], n=2, max_new_tokens=9, ignore_eos=True, logprobs=False)
     assert [len(r) for r in out.response_ids] == [9, 9]
     assert "step 0: generating 1 prompts x 2 samples: token 8/9" in descs

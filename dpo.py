@@ -58,6 +58,7 @@ from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
                                reference_logprobs, response_logp_sums)
+from common.progress import note, show_phase
 from common.run_dir import claim_run_dir
 from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
 from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
@@ -72,13 +73,13 @@ class Args:
     """where run folders go (metrics.jsonl, config.json, checkpoints)"""
     seed: int = 1
     """seed for the held-out split and the data order"""
-    num_steps: int = 0
-    """optimiser steps to run (0: --num-epochs passes over the train pairs)"""
+    num_steps: int = 24
+    """optimiser steps to run (0: --num-epochs passes over the train pairs); the default is CPU-sized"""
     track: bool = False
     """log to wandb (rank 0) as well as to metrics.jsonl"""
     wandb_project: str = "rl-post-train"
     """wandb project"""
-    eval_every: int = 50
+    eval_every: int = 12
     """evaluate on the held-out pairs every this many steps, and at the start and end (0: never)"""
     eval_size: int = 512
     """most held-out pairs to evaluate (0: all)"""
@@ -101,8 +102,9 @@ class Args:
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (the policy, and the reference by default)"""
     ref_model: str | None = None
     """reference model pi_ref (same tokenizer); None: the initial policy weights"""
-    dataset: str = "Anthropic/hh-rlhf"
-    """HF dataset id, or a local .jsonl(.gz)/.parquet file or folder (python -m tools.make_pairs)"""
+    dataset: str = str(Path(__file__).resolve().parent / "data" / "hh-rlhf-harmless" / "short.jsonl.gz")
+    """HF dataset id (Anthropic/hh-rlhf), or a local .jsonl(.gz)/.parquet file or folder; default: 488 short HH-RLHF
+    harmless pairs shipped in data/ (data/hh-rlhf-harmless/README.md)"""
     dataset_config: str | None = None
     """HF dataset config name"""
     train_split: str = "train"
@@ -117,7 +119,7 @@ class Args:
     """field holding the preferred response (text, messages, or the whole dialogue)"""
     rejected_field: str = "rejected"
     """field holding the dispreferred response"""
-    max_length: int = 1024
+    max_length: int = 256
     """pairs whose prompt + longer response exceed this many tokens are dropped (and counted)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
@@ -128,8 +130,8 @@ class Args:
     """eps: probability that a preference label is flipped (cDPO; sigmoid and simpo)"""
     simpo_gamma: float = 0.5
     """gamma: SimPO target reward margin"""
-    lr: float = 5e-7
-    """AdamW learning rate"""
+    lr: float = 1e-5
+    """AdamW learning rate (CPU default for the 135M model's 24 steps; runs/dpo_hh_smollm2.sh uses 1e-6 on a GPU)"""
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     """after warm-up: constant, or cosine decay to 10% over the run"""
     warmup_steps: int = 0
@@ -141,12 +143,13 @@ class Args:
     max_grad_norm: float = 1.0
     """clip the global gradient norm (0: no clipping)"""
     # ---- batch geometry ----------------------------------------------------------------------------------
-    pairs_per_step: int = 32
+    pairs_per_step: int = 8
     """pairs per optimiser step, over all ranks (the loss is their mean)"""
     num_epochs: int = 1
     """passes over the train pairs (when --num-steps is 0)"""
-    max_tokens_per_microbatch: int = 8192
-    """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch"""
+    max_tokens_per_microbatch: int = 1024
+    """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch (CPU-sized
+    default: sdpa attends over the whole packed row, so its cost grows with its square; 8192+ on a GPU)"""
     # ---- infrastructure ----------------------------------------------------------------------------------
     ref_cache: bool = True
     """cache reference log-probs on disk; --no-ref-cache keeps pi_ref in memory and computes them live"""
@@ -321,6 +324,7 @@ def main(args: Args) -> None:
         def compute():  # the initial policy is pi_ref unless --ref-model names another
             model = policy if args.ref_model is None else load_ref()
             return reference_logprobs(model, pairs, d.world_size, d.rank, args.max_tokens_per_microbatch, d.device)
+        note(d.is_main, f"reference log-probs of {len(pairs)} pairs (once; cached in {args.cache_dir})")
         with timed(perf0, "ref_pass"):
             ref_table, hit = cached_reference_logprobs(args.cache_dir, key, compute, spec | {"ref_model": ref_path})
         ref_table = ref_table.to(d.device)  # (N, 2) summed log pi_ref of [chosen, rejected]
@@ -380,6 +384,7 @@ def main(args: Args) -> None:
         t_step = time.perf_counter()
         metrics = {}
         if args.eval_every and eval_ids and (step % args.eval_every == 0 or step == num_steps):
+            show_phase(progress, step, f"evaluating on {len(eval_ids)} held-out pairs")
             with timed(perf, "eval"):
                 metrics |= evaluate(policy, pairs, eval_ids, ref_table, ref_model, args, d)
         if step == num_steps:  # the final evaluation ran on the final weights

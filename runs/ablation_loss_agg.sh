@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Ablation (issue 27): GRPO's three loss aggregations x 2 seeds on GSM8K with Qwen2.5-0.5B-Instruct, vLLM rollouts.
-#   MODEL=/path/to/Qwen2.5-0.5B-Instruct DATA=../shared/data/gsm8k bash runs/ablation_loss_agg.sh [more grpo.py flags]
+#   MODEL=/path/to/Qwen2.5-0.5B-Instruct DATA=/path/to/gsm8k bash runs/ablation_loss_agg.sh [more grpo.py flags]
 # Cells: token-mean (DAPO, the default), seq-mean-token-sum (Dr. GRPO), seq-mean-token-mean (GRPO paper), seeds 1, 2;
 # run folders runs_out/ablation_loss_agg/loss_agg=<agg>,seed=<s>, one wandb group with --track. GPUS_PER_CELL=1
 # (default) runs as many cells at once as there are GPUs (CUDA_VISIBLE_DEVICES or all), one after another on one.
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
-DATA=${DATA:-../shared/data/gsm8k}
+DATA=${DATA:?set DATA to a folder holding GSM8K train.jsonl and test.jsonl}
 GPUS_PER_CELL=${GPUS_PER_CELL:-1}
 exec python3 -m tools.sweep --name ablation_loss_agg --out-dir "${OUT:-runs_out}" --gpus-per-cell "$GPUS_PER_CELL" \
   --grid loss_agg=token-mean,seq-mean-token-sum,seq-mean-token-mean --grid seed=1,2 \

@@ -105,7 +105,7 @@ def no_model(monkeypatch):
     for script in (grpo, ppo, dpo):
         monkeypatch.setattr(script.D, "init_distributed", lambda device="auto": Dist(0, 1, 0, torch.device("cpu")))
         monkeypatch.setattr(script, "resolve_model", model_loaded)
-        monkeypatch.setattr(script.C, "set_deterministic", lambda flag: None)
+        monkeypatch.setattr(script, "set_deterministic", lambda flag: None)
         monkeypatch.setattr(script.D, "seed_everything", lambda seed: None)
 
 

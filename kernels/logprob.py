@@ -186,11 +186,13 @@ if HAS_TRITON:
     @triton.jit
     def _dlogits_rows(z, offs_n, offs_v, row_ok, col0, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp):
         """dlogits of a (rows, cols) tile of logits z, with the rows' target, statistics and upstream gradients."""
-        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1) - col0
+        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-100)
+        grad_ok = row_ok & (tgt != -100)  # rows whose target is IGNORE_INDEX get no gradient
         lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
         ent = tl.load(ent_ptr + offs_n, mask=row_ok, other=0.0)
-        g_lp = tl.load(glp_ptr + offs_n, mask=row_ok, other=0.0)  # zero on ignored rows
-        g_ent = tl.load(gent_ptr + offs_n, mask=row_ok, other=0.0)
+        g_lp = tl.load(glp_ptr + offs_n, mask=grad_ok, other=0.0)
+        g_ent = tl.load(gent_ptr + offs_n, mask=grad_ok, other=0.0)
+        tgt -= col0
         return _dlogits_math(z, offs_v, tgt, lse, ent, g_lp, g_ent, inv_temp)
 
     @triton.jit
@@ -227,19 +229,26 @@ if HAS_TRITON:
     @triton.jit
     def _stats_update_kernel(z_ptr, tgt_ptr, stat_ptr, R, ncols, col0, stride_z, stride_s,
                              stride_p, inv_temp, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_V: tl.constexpr):
+                             BLOCK_V: tl.constexpr, FRESH: tl.constexpr = False):
         """Fold an (R, ncols) fp32 block of h W^T (columns col0..) into running (m, s, a, z_t).
         Program (i, j) takes rows i * BLOCK_N.. and columns j * CHUNKS * BLOCK_V.. (a grid of one
-        column range covers all columns), its stats at stat_ptr + j * stride_p."""
+        column range covers all columns), its stats at stat_ptr + j * stride_p. FRESH: start from
+        no columns instead of loading the running stats."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         c_start = tl.program_id(1) * CHUNKS * BLOCK_V
         stat_ptr += tl.program_id(1) * stride_p
         row_ok = offs_n < R
         tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1) - col0
-        m = tl.load(stat_ptr + offs_n, mask=row_ok, other=0.0)
-        s = tl.load(stat_ptr + stride_s + offs_n, mask=row_ok, other=0.0)
-        a = tl.load(stat_ptr + 2 * stride_s + offs_n, mask=row_ok, other=0.0)
-        zt = tl.load(stat_ptr + 3 * stride_s + offs_n, mask=row_ok, other=0.0)
+        if FRESH:
+            m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+            s = tl.zeros([BLOCK_N], dtype=tl.float32)
+            a = tl.zeros([BLOCK_N], dtype=tl.float32)
+            zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+        else:
+            m = tl.load(stat_ptr + offs_n, mask=row_ok, other=0.0)
+            s = tl.load(stat_ptr + stride_s + offs_n, mask=row_ok, other=0.0)
+            a = tl.load(stat_ptr + 2 * stride_s + offs_n, mask=row_ok, other=0.0)
+            zt = tl.load(stat_ptr + 3 * stride_s + offs_n, mask=row_ok, other=0.0)
         for i in range(0, CHUNKS):  # constexpr bound, see _fwd_kernel
             if c_start + i * BLOCK_V < ncols:
                 offs_v = c_start + i * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -276,6 +285,36 @@ if HAS_TRITON:
         d = _dlogits_rows(z, offs_n, offs_v, row_ok, col0, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp)
         tl.store(dl_ptr + rows64 * stride_d + offs_v[None, :], d.to(dl_ptr.dtype.element_ty),
                  mask=ok)
+
+
+    @triton.jit
+    def _finish_stats_kernel(part_ptr, tgt_ptr, logp_ptr, ent_ptr, lse_ptr, R, S, stride_k, stride_s,
+                             BLOCK_N: tl.constexpr, S_P2: tl.constexpr):
+        """logp, entropy (0 where the target is -100) and lse of R rows from the (4, S, R) partial
+        (m, s, a, z_t) of S disjoint V ranges (the torch version: _merge_stats)."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_s = tl.arange(0, S_P2)
+        row_ok = offs_n < R
+        ok = (offs_s < S)[:, None] & row_ok[None, :]
+        ptrs = part_ptr + offs_s[:, None] * stride_s + offs_n[None, :]  # (S_P2, BLOCK_N)
+        m = tl.load(ptrs, mask=ok, other=float("-inf"))
+        s = tl.load(ptrs + stride_k, mask=ok, other=0.0)
+        a = tl.load(ptrs + 2 * stride_k, mask=ok, other=0.0)
+        zt = tl.load(ptrs + 3 * stride_k, mask=ok, other=0.0)
+        m_max = tl.max(m, axis=0)  # (BLOCK_N,); finite on valid rows: every range is non-empty
+        m_max = tl.where(row_ok, m_max, 0.0)
+        shift = tl.where(ok, m - m_max[None, :], 0.0)
+        scale = tl.where(ok, tl.exp(shift), 0.0)
+        s_tot = tl.sum(scale * s, axis=0)
+        a_tot = tl.sum(scale * (a + s * shift), axis=0)
+        s_tot = tl.where(row_ok, s_tot, 1.0)
+        log_s = tl.log(s_tot)
+        lse = m_max + log_s
+        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-100)
+        valid = tgt != -100
+        tl.store(logp_ptr + offs_n, tl.where(valid, tl.sum(zt, axis=0) - lse, 0.0), mask=row_ok)
+        tl.store(ent_ptr + offs_n, tl.where(valid, log_s - a_tot / s_tot, 0.0), mask=row_ok)
+        tl.store(lse_ptr + offs_n, lse, mask=row_ok)
 
 
 def _num_sms(device) -> int:
@@ -656,7 +695,7 @@ def _row_loss(loss_fn, logp, entropy, args, need_grad):
             g_lp, g_ent = torch.autograd.grad(loss.sum(), (lp, ent), allow_unused=True)
     g_lp = torch.zeros_like(lp) if g_lp is None else g_lp.float()
     g_ent = torch.zeros_like(lp) if g_ent is None else g_ent.float()
-    return loss.detach().float(), g_lp.detach(), g_ent.detach()
+    return loss.detach().float(), g_lp.detach().contiguous(), g_ent.detach().contiguous()
 
 
 def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, need_dh, need_dw,
@@ -681,34 +720,31 @@ def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, nee
     cols = triton.cdiv(triton.cdiv(V, want), c["BLOCK_V"]) * c["BLOCK_V"]
     S = triton.cdiv(V, cols)  # every range is non-empty
     part = torch.empty(4, S, sub, device=hidden.device, dtype=torch.float32)  # (4, S, sub)
+    lse_buf = torch.empty(sub, device=hidden.device, dtype=torch.float32)  # (sub,)
     inv_temp = 1.0 / temperature
     for r0 in range(0, N, rows):
         r1 = min(r0 + rows, N)
         for s0 in range(r0, r1, sub):
             s1 = min(s0 + sub, r1)
             n = s1 - s0
-            z, p, tgt = z_buf[:n], part[:, :, :n], targets[s0:s1]
+            # Few host calls per sub-block (the GPU's work per sub-block is short): two Triton
+            # kernels make the stats, loss_fn and autograd the per-row derivatives, one kernel dlogits.
+            z, tgt, lse, lp_s, ent_s = z_buf[:n], targets[s0:s1], lse_buf[:n], logp[s0:s1], entropy[s0:s1]
             _mm_fp32(hidden[s0:s1], weight.t(), z)  # (n, V) fp32
-            p[0] = float("-inf")
-            p[1:] = 0
             _stats_update_kernel[(triton.cdiv(n, c["BLOCK_N"]), S)](
-                z, tgt, p, n, V, 0, z.stride(0), p.stride(0), p.stride(1), inv_temp,
-                CHUNKS=cols // c["BLOCK_V"], BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"],
+                z, tgt, part, n, V, 0, z.stride(0), part.stride(0), part.stride(1), inv_temp,
+                CHUNKS=cols // c["BLOCK_V"], BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"], FRESH=True,
                 num_warps=c["num_warps"])
-            lp_s, ent_s, lse_s = _merge_stats(p)  # (n,) each
-            valid = tgt != IGNORE_INDEX  # (n,)
-            lp_s = torch.where(valid, lp_s, 0.0)
-            ent_s = torch.where(valid, ent_s, 0.0)
+            _finish_stats_kernel[(triton.cdiv(n, 128),)](
+                part, tgt, lp_s, ent_s, lse, n, S, part.stride(0), part.stride(1), BLOCK_N=128,
+                S_P2=triton.next_power_of_2(S))
             loss_s, g_lp, g_ent = _row_loss(loss_fn, lp_s, ent_s, _take(token_args, s0, s1), need_grad)
             loss += loss_s.sum()
-            logp[s0:s1], entropy[s0:s1] = lp_s, ent_s
-            if need_grad:  # ignored rows: no gradient, whatever loss_fn says (their logp is a constant 0)
-                g_lp = torch.where(valid, g_lp, 0.0).contiguous()
-                g_ent = torch.where(valid, g_ent, 0.0).contiguous()
+            if need_grad:  # the kernel zeroes ignored rows' gradient, whatever loss_fn says
                 dl = dl_buf[s0 - r0:s1 - r0]  # (n, V)
                 grid = (triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(V, c["BLOCK_V"]))
                 _dlogits_from_z_kernel[grid](
-                    z, tgt, lse_s, ent_s, g_lp, g_ent, dl, n, V, 0, z.stride(0), dl.stride(0),
+                    z, tgt, lse, ent_s, g_lp, g_ent, dl, n, V, 0, z.stride(0), dl.stride(0),
                     inv_temp, BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"], num_warps=c["num_warps"])
         dl = dl_buf[: r1 - r0] if need_grad else None  # (rows, V)
         if need_dh:  # one GEMM over all of V: fp32 sums, dh rounded once

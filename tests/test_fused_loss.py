@@ -150,6 +150,17 @@ def test_zero_terms_and_ignored_rows():
 
 
 @needs_triton
+@pytest.mark.parametrize("loss_fn", [lambda logp, ent: -logp, lambda logp, ent: ent], ids=["nll", "entropy"])
+def test_one_input_used(loss_fn, monkeypatch):
+    # Cross-entropy (Liger's loss) and entropy alone: the unused input's derivative is None inside, and the used
+    # one's is a broadcast (stride 0) tensor.
+    set_tiles(monkeypatch, 16, 8)
+    hidden, weight, tgt, _, _ = make_inputs(30, 16, 50, torch.float32)
+    compare(run("fused", hidden, weight, tgt, loss_fn, ()), run("torch", hidden, weight, tgt, loss_fn, ()),
+            torch.float32, 30)
+
+
+@needs_triton
 def test_tied_embedding():
     # The LM head is the input embedding: autograd adds the head's dW (computed in the forward) to the lookup's.
     V, H, N = 60, 16, 24

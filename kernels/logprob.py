@@ -61,6 +61,24 @@ for "cublas"); the cublas forward uses it for one fp32 logits block (all rows wh
 N = 32768, H = 3584, V = 152064, bf16: rows 6656 (dW rounded 5 times), cols 17920 (triton) or
 5888 (cublas), 334 / 331 MB = 1.7% of the fp32 logits (19.9 GB). A 2048 MB budget makes rows = N:
 dW rounded once, as an unblocked backward would. fp32 inputs: dh is its own accumulator.
+
+Fused loss (token_loss): the gradient inside the forward, 3 GEMMs
+------------------------------------------------------------------
+    loss, logp, entropy = token_loss(hidden, weight, targets, loss_fn, token_args, temperature)
+token_logprobs cannot know g_lp, g_ent until backward, so it computes the logits twice (4 GEMMs). When
+the loss is elementwise in (logp, H) given per-token constants known before the forward (GRPO's and
+PPO's policy losses), token_loss takes it as loss_fn(logp, entropy, *token_args) -> (n,) and returns
+loss = sum of it. For each block of `rows` rows: for each sub-block of `sub` rows, cuBLAS writes the
+fp32 logits over ALL of V (sub, V); the stats kernel (V split into ranges) and a merge kernel give
+logp, H, lse; loss_fn runs on the sub-block's (sub,) tensors under autograd, which gives g_lp =
+d loss / d logp and g_ent = d loss / d H per row (elementwise, so the gradient of the sum is the
+per-row derivative); the dlogits kernel (formula above) writes the sub-block's rows of a (rows, V)
+dlogits buffer in the input dtype. Then dh[block] = dlogits @ W (one GEMM over all of V, rounded
+once) and dW += dlogits^T @ h[block] (rounded once per block). backward multiplies the stored dh, dW
+by the upstream scalar in place. Rows whose target is -100 get logp = H = 0 (loss_fn sees those) and
+no gradient. Workspace: sub x V x 4 B (at most a quarter of workspace_mb) + rows x V x elt (the rest):
+at the bench shape and 320 MB, sub = 128, rows = 768: 311 MB, dW rounded 43 times. Not for losses
+that couple rows (DPO's sequence sums inside a sigmoid): their g_lp needs every row's logp first.
 """
 
 import os

@@ -753,8 +753,8 @@ def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, nee
                 z, tgt, part, n, V, 0, z.stride(0), part.stride(0), part.stride(1), inv_temp,
                 CHUNKS=cols // c["BLOCK_V"], BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"], FRESH=True,
                 num_warps=c["num_warps"])
-            _finish_stats_kernel[(triton.cdiv(n, 128),)](
-                part, tgt, lp_s, ent_s, lse, n, S, part.stride(0), part.stride(1), BLOCK_N=128,
+            _finish_stats_kernel[(triton.cdiv(n, 32),)](
+                part, tgt, lp_s, ent_s, lse, n, S, part.stride(0), part.stride(1), BLOCK_N=32,
                 S_P2=triton.next_power_of_2(S))
             loss_s, g_lp, g_ent = _row_loss(loss_fn, lp_s, ent_s, _take(token_args, s0, s1), need_grad)
             loss += loss_s.sum()

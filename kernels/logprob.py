@@ -304,12 +304,11 @@ if HAS_TRITON:
         tl.store(dl_ptr + rows64 * stride_d + offs_v[None, :], d.to(dl_ptr.dtype.element_ty),
                  mask=ok)
 
-
     @triton.jit
     def _finish_stats_kernel(part_ptr, tgt_ptr, logp_ptr, ent_ptr, lse_ptr, R, S, stride_k, stride_s,
                              BLOCK_N: tl.constexpr, S_P2: tl.constexpr):
         """logp, entropy (0 where the target is -100) and lse of R rows from the (4, S, R) partial
-        (m, s, a, z_t) of S disjoint V ranges (the torch version: _merge_stats)."""
+        (m, s, a, z_t) of S disjoint V ranges (the merge of _fused_forward, per row)."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_s = tl.arange(0, S_P2)
         row_ok = offs_n < R
@@ -415,20 +414,15 @@ def _launch_fwd(hidden, weight, targets, temperature, cfg):
 def _fused_forward(hidden, weight, targets, temperature, workspace_bytes, tune):
     launch = lambda c: _launch_fwd(hidden, weight, targets, temperature, c)  # noqa: E731
     part = launch(_pick("fwd", hidden, weight, launch, tune))  # (4, S, N); needs no workspace
-    return _merge_stats(part)
-
-
-def _merge_stats(part):
-    """(logp, entropy, lse) (n,) from partial (m, s, a, z_t) (4, S, n) of S disjoint V ranges."""
-    m, s, a, zt = part.unbind(0)  # each (S, n)
-    m_max = m.max(0).values  # (n,)
-    scale = torch.exp(m - m_max)  # (S, n)
-    s_tot = (scale * s).sum(0)  # (n,)
-    a_tot = (scale * (a + s * (m - m_max))).sum(0)  # (n,)
+    m, s, a, zt = part.unbind(0)  # each (S, N)
+    m_max = m.max(0).values  # (N,)
+    scale = torch.exp(m - m_max)  # (S, N)
+    s_tot = (scale * s).sum(0)  # (N,)
+    a_tot = (scale * (a + s * (m - m_max))).sum(0)  # (N,)
     log_s = torch.log(s_tot)
-    lse = m_max + log_s  # (n,)
-    entropy = log_s - a_tot / s_tot  # (n,)
-    logp = zt.sum(0) - lse  # (n,)
+    lse = m_max + log_s  # (N,)
+    entropy = log_s - a_tot / s_tot  # (N,)
+    logp = zt.sum(0) - lse  # (N,)
     return logp, entropy, lse
 
 

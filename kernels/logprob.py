@@ -671,10 +671,13 @@ def _loss_tiles(N, V, elt_bytes, budget, align):
     return _split(N, rows, sub), sub
 
 
-def _per_token(token_args, n):
+def _per_token(token_args, n, device):
     """token_args with the (n,) tensors checked: the rest (numbers, 0-dim tensors) pass as they are."""
     for i, x in enumerate(token_args):
         if isinstance(x, torch.Tensor) and x.dim() > 0:
+            if x.device != device:
+                raise ValueError(f"token_loss: token_args[{i}] is on {x.device}, hidden on {device}: "
+                                 f"move it with .to(hidden.device)")
             if x.shape != (n,):
                 raise ValueError(f"token_loss: token_args[{i}] has shape {tuple(x.shape)}; per-token "
                                  f"arguments must be ({n},), one value per row of hidden (flatten them "
@@ -818,7 +821,7 @@ def token_loss(hidden, weight, targets, loss_fn, token_args=(), temperature: flo
         raise TypeError(f"token_loss: loss_fn must be callable as loss_fn(logp, entropy, *token_args), "
                         f"got {type(loss_fn).__name__}")
     token_args = tuple(token_args)
-    _per_token(token_args, hidden.shape[0])
+    _per_token(token_args, hidden.shape[0], hidden.device)
     if impl == "auto":
         impl = "fused" if (hidden.is_cuda and HAS_TRITON) else "torch"
     if impl == "torch":

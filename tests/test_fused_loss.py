@@ -264,6 +264,8 @@ def test_bad_input():
         lp.token_loss(hidden, weight, tgt, lambda logp, ent: logp.mean(), impl="fused")
     with pytest.raises(ValueError, match=r"token_args\[1\] has shape \(2, 3\); per-token arguments must be \(6,\)"):
         lp.token_loss(hidden, weight, tgt, linear, (a, b.view(2, 3)), impl="fused")
+    with pytest.raises(ValueError, match=r"token_args\[1\] is on meta, hidden on (cpu|cuda)"):
+        lp.token_loss(hidden, weight, tgt, linear, (a, b.to("meta")), impl="fused")
     with pytest.raises(ValueError, match=r"token_args\[0\] requires grad"):
         lp.token_loss(hidden, weight, tgt, linear, (a.requires_grad_(), b), impl="fused")
     with pytest.raises(ValueError, match="workspace_mb must be positive"):

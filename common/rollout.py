@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from common import dist as D
 from common.fsdp import iter_full_params
-from common.rewards import score
+from common.rewards import format_reward, score
 from common.tracking import timed
 
 
@@ -78,23 +78,42 @@ def padded(rows: list[list[float]], width: int, dtype=torch.float32) -> torch.Te
     return out
 
 
-def generate_and_score(engine, examples, n: int, temperature: float, seed: int, sampling: dict, reward_fn, tok,
-                       reward_timeout: float, perf: dict, logprobs: bool = False):
-    """Sample n completions per prompt of this rank's `examples` and score them (seconds into perf: generate_s,
-    score_s), with the sampled tokens' log-probs if `logprobs`. sampling: the engine's generate keywords (top_p,
-    top_k, max_new_tokens, stop_token_ids, ignore_eos). Returns the Rollout, the texts, prompts, answers and the
-    scores (common.rewards.score)."""
+def generate(engine, examples, n: int, temperature: float, seed: int, sampling: dict, perf: dict,
+             logprobs: bool = False) -> Rollout:
+    """Sample n completions for each of this rank's `examples` (seconds into perf["generate_s"]), with the sampled
+    tokens' log-probs if `logprobs`. sampling: the engine's other generate keywords (top_p, top_k, max_new_tokens,
+    stop_token_ids, ignore_eos)."""
     with timed(perf, "generate"):
         rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, seed=seed,
                                   logprobs=logprobs, **sampling)
     if "generate_cpu" in engine.timings:  # vLLM: CPU seconds of its host loop (close to generate_s: host-bound)
         perf["generate_cpu_s"] = engine.timings["generate_cpu"]
+    return rollout
+
+
+def score_rollout(rollout: Rollout, examples, reward_fn, tok, reward_timeout: float, format_coef: float,
+                  width: int, perf: dict):
+    """Score this rank's rollout (seconds into perf["score_s"]): the task reward (common.rewards.score), plus
+    format_coef x the format reward. Returns this rank's RolloutBatch and its texts, prompts and answers (for the
+    samples table); reward errors and timeouts are counted in it and the first error is printed."""
+    n = len(rollout.response_ids) // max(1, len(examples))
     with timed(perf, "score"):
         texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
         prompts = [e.prompt_text for e in examples for _ in range(n)]
         answers = [e.answer for e in examples for _ in range(n)]
         res = score(reward_fn, prompts, texts, answers, timeout_s=reward_timeout)
-    return rollout, texts, prompts, answers, res
+    if res.first_error:
+        print(f"[rank {torch.distributed.get_rank()}] {res.n_errors} reward errors, {res.n_timeouts} timeouts; first: {res.first_error}",
+              flush=True)
+    rewards = torch.tensor(res.rewards, dtype=torch.float32)  # (B_rank,)
+    correct = rewards > 0  # (B_rank,) the task reward alone, before shaping
+    if format_coef:
+        rewards += format_coef * torch.tensor([format_reward(p, t, a) for p, t, a in zip(prompts, texts, answers)])
+    part = RolloutBatch(rollout.prompt_ids, rollout.response_ids, rewards, correct,
+                        torch.tensor([f == "length" for f in rollout.finish_reasons]),  # truncated
+                        padded(rollout.logprobs or [[]] * len(texts), width), None, res.n_errors, res.n_timeouts,
+                        perf.get("generate_s", 0.0))
+    return part, texts, prompts, answers
 
 
 def make_engine(kind: str, model_path: str, vllm_args, max_model_len: int, seed: int, device, pad_token_id: int,

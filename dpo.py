@@ -46,11 +46,10 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-import tyro
 
 from common import checkpoint as C
 from common import dist as D
-from common.args import RunArgs
+from common.args import RunArgs, cli
 from common.data import load_rows
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
@@ -411,4 +410,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args, __doc__))

@@ -47,13 +47,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
 from torch import nn
 
 from common import checkpoint as C
 from common import dist as D
 from common.attention import attn_kwargs, register_varlen_attention
-from common.args import RLArgs
+from common.args import RLArgs, cli
 from common.data import PromptSampler
 from common.evaluate import evaluate, log_eval
 from common.fsdp import clip_grad_norm, place_frozen, shard
@@ -543,4 +542,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args, __doc__))

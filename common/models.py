@@ -56,7 +56,7 @@ def _gguf_to_folder(gguf: Path) -> Path:
     # transformers 5.17 reads the GGUF's special tokens into config.json correctly (SmolLM2: eos = pad = <|im_end|>)
     # but gives the tokenizer eos <|im_start|> and no pad; take them from the config so padding, DPO's pair ends and
     # stop ids agree. BPE: no clean-up of spaces (transformers ignores it for BPE and warns).
-    eos, pad = model.config.eos_token_id, model.config.pad_token_id
+    eos, pad = getattr(model.config, "eos_token_id", None), getattr(model.config, "pad_token_id", None)
     if isinstance(eos, int):
         tok.eos_token = tok.convert_ids_to_tokens(eos)
     if isinstance(pad, int):

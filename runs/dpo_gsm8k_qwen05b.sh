@@ -17,7 +17,7 @@ NUM_PROMPTS=${NUM_PROMPTS:-1024}
 INSTR="Solve the problem step by step. Give the final answer as '#### <number>' on the last line."
 mkdir -p "$OUT_DIR/dpo_gsm8k_qwen05b"
 PAIRS=$OUT_DIR/dpo_gsm8k_qwen05b/pairs.jsonl
-PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" -m common.preference make-pairs \
+PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" -m tools.make_pairs \
   --out "$PAIRS" --model "$MODEL" --dataset "$DATA" --split train --instruction "$INSTR" \
   --num-prompts "$NUM_PROMPTS" --samples 8 --pairs-per-prompt 1 --temperature 1.0 --max-new-tokens 512 \
   --reward-fn math --rollout vllm --seed 1

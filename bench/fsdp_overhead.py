@@ -59,7 +59,7 @@ def main():
             lm = load_causal_lm(tmp, "varlen")
             model = TokenLogProbs(lm, "torch")
             if fsdp is not None:
-                model = shard(lm, fsdp, d.device, root=model)
+                model, _ = shard(lm, fsdp, d.device, root=model)
             train_ms, nograd_ms = time_model(model, mb, fsdp is not None)
             print(f"{name:<38} fwd+bwd {train_ms:6.1f} ms/micro-batch   no-grad fwd {nograd_ms:6.1f} ms", flush=True)
     D.cleanup()

@@ -93,21 +93,37 @@ def resolve_keep_gathered(args: FSDPArgs, model: nn.Module, device: torch.device
     return small_on_gpu(args, model, device)
 
 
-def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Module | None = None) -> nn.Module:
-    """fully_shard every decoder layer (--fsdp.unit layer), then the root (embeddings, final norm, LM head; with
-    --fsdp.unit model, everything).
+@dataclass(frozen=True)
+class ShardPlan:
+    """What shard() decided for one model, for the caller to use and print (nothing is written onto the model)."""
+    unit: str              # "layer" (each decoder layer its own FSDP unit, then the root) or "model" (one unit)
+    keep_gathered: bool    # the micro-batch loop keeps the parameters gathered until a mini-batch's last backward
+    param_dtype: torch.dtype
 
-    `root` is the module whose forward is called (it may wrap `model`, e.g. common.models.TokenLogProbs, so the
-    LM head weight is all-gathered inside that forward). Returns `root`, with what was decided for it:
-    `root.fsdp_unit` ("layer" or "model") and `root.keep_gathered`; with the latter the caller's micro-batch loop
-    keeps the parameters gathered until the last backward (`set_reshard_after_backward(last)`).
+    def table(self) -> dict:
+        """Rows for the scripts' geometry table."""
+        return {"FSDP unit": self.unit, "FSDP keep gathered": self.keep_gathered,
+                "FSDP compute dtype": str(self.param_dtype).removeprefix("torch."),
+                "gradient reduction": "sum over ranks (each rank's loss is its share of the global batch's)"}
+
+
+def shard(model: nn.Module, args: FSDPArgs, device: torch.device,
+          root: nn.Module | None = None) -> tuple[nn.Module, ShardPlan]:
+    """fully_shard every decoder layer (--fsdp.unit layer), then the root (embeddings, final norm, LM head; with
+    --fsdp.unit model, everything). Returns `root` (the module whose forward is called; it may wrap `model`, e.g.
+    common.models.TokenLogProbs, so the LM head weight is all-gathered inside that forward) and the ShardPlan.
+
+    Gradients are SUMMED over ranks, not averaged (FSDP2's gradient divide factor 1, as torchtitan does when the
+    loss is normalised by a global count): every script divides its loss by a normaliser of the whole global
+    batch (all ranks, all micro-batches), so each rank's backward is its share and the sum is the gradient of the
+    batch loss. The world size and the number of micro-batches appear nowhere else.
     """
     root = model if root is None else root
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
-    param_dtype = compute_dtype(args, device)
-    keep = resolve_keep_gathered(args, model, device)
-    kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+    plan = ShardPlan(unit=resolve_unit(args, world, keep := resolve_keep_gathered(args, model, device)),
+                     keep_gathered=keep, param_dtype=compute_dtype(args, device))
+    kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype,
                                                         reduce_dtype=DTYPES[args.reduce_dtype]),
               reshard_after_forward=args.reshard_after_forward and not keep)
     if not any(p.requires_grad for p in model.parameters()):
@@ -115,7 +131,7 @@ def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Modul
         # dtype the forward computes in (the same values mixed precision would cast to; half the memory in bf16).
         # Parameters only: buffers such as RoPE's inv_freq stay as they are, as they do for the policy.
         for p in model.parameters():
-            p.data = p.data.to(param_dtype)
+            p.data = p.data.to(plan.param_dtype)
     if args.cpu_offload:
         if device.type != "cuda":
             raise ValueError("--fsdp.cpu-offload only makes sense on a GPU; drop it on CPU")
@@ -123,15 +139,16 @@ def shard(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Modul
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(model)
-    unit = resolve_unit(args, world, keep)
-    if unit == "layer":
+    if plan.unit == "layer":
         for layer in layers:
             fully_shard(layer, **kw)
     fully_shard(root, **kw)
-    root.fsdp_unit, root.keep_gathered = unit, keep
+    for unit in fsdp_units(root):  # sum, not mean: the loss is already the global batch's (docstring)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM reduce-scatter, on gloo as on NCCL
     if compiles(args, device):
         compile_layers(layers)
-    return root
+    return root, plan
 
 
 def replicate(model: nn.Module, args: FSDPArgs, device: torch.device, root: nn.Module | None = None) -> nn.Module:
@@ -156,7 +173,8 @@ def place_frozen(model: nn.Module, args: FSDPArgs, device: torch.device, placeme
     whether it was replicated)."""
     replicated = placement == "replicated" or (
         placement == "auto" and torch.distributed.get_world_size() > 1 and small_on_gpu(args, model, device))
-    return (replicate if replicated else shard)(model, args, device, root=root), replicated
+    return (replicate(model, args, device, root=root) if replicated else shard(model, args, device, root=root)[0],
+            replicated)
 
 
 def compile_layers(layers: list[nn.Module]) -> None:

@@ -1,12 +1,18 @@
-"""Rollout engines. Every engine has generate / sleep / wake / load_weights (docs/architecture.md); this file
-holds the transformers engine (CPU, debugging) and the Rollout record. The vLLM engine is common/vllm_engine.py."""
-from dataclasses import dataclass
+"""Rollouts: the transformers engine (CPU, debugging; the vLLM engine is common/vllm_engine.py), what an engine
+returns (Rollout), sampling and scoring on one rank, the scored batch that crosses ranks (RolloutBatch, gathered by
+gather_rollout) and the engine refit at the end of a step (sync_engine). Every engine has generate / sleep / wake /
+load_weights (docs/architecture.md)."""
+from dataclasses import dataclass, fields
 from typing import Iterable
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from common import dist as D
+from common.fsdp import iter_full_params
 from common.progress import token_streamer
+from common.rewards import format_reward, score
+from common.tracking import timed
 
 
 @dataclass
@@ -15,6 +21,151 @@ class Rollout:
     response_ids: list[list[int]]         # (B,) generated tokens, the stop token included
     logprobs: list[list[float]] | None    # (B,) sampling log-probs per response token; None if unknown
     finish_reasons: list[str]             # (B,) "stop" | "length"
+
+
+@dataclass
+class RolloutBatch:
+    """One step's scored rollout: this rank's (built after scoring), or every rank's (from gather_rollout), in rank
+    order, prompt-major (a prompt's n samples are adjacent and never span ranks)."""
+    prompt_ids: list[list[int]]          # (B,) each prompt repeated n times
+    response_ids: list[list[int]]        # (B,) generated tokens, the stop token included
+    rewards: torch.Tensor                # (B,) float32, the task reward plus any shaping
+    correct: torch.Tensor                # (B,) bool, the task reward alone > 0
+    truncated: torch.Tensor              # (B,) bool, stopped by --max-new-tokens
+    engine_logp: torch.Tensor            # (B, T) the engine's sampling log-probs, 0 where it gave none
+    engine_mask: torch.Tensor            # (B, T) bool, where it gave one (a log-prob of exactly 0 is one)
+    ref_logp: torch.Tensor | None        # (B, T) a replicated reference's, scored before the gather; else None
+    n_errors: int                        # reward calls that raised (summed over ranks by the gather)
+    n_timeouts: int                      # reward calls that timed out (summed)
+    generate_s: float                    # seconds this rank generated (the gather keeps the slowest rank's)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of each sequence, prompt + response: what packing and rank balancing weigh."""
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+
+    @property
+    def response_len(self) -> torch.Tensor:
+        return torch.tensor([len(r) for r in self.response_ids])  # (B,)
+
+    def response_mask(self, width: int) -> torch.Tensor:
+        """(B, T) float, 1 on each response's tokens (responses start at column 0)."""
+        return (torch.arange(width)[None] < self.response_len[:, None]).float()
+
+
+def gather_rollout(part: RolloutBatch) -> RolloutBatch:
+    """Every rank's RolloutBatch, concatenated in rank order, on every rank (token ids and scalars are small)."""
+    parts = D.all_gather_objects(part)
+    merged = {}
+    for f in fields(RolloutBatch):
+        values = [getattr(p, f.name) for p in parts]
+        if f.name == "generate_s":
+            merged[f.name] = max(values)  # the rank every other one waits for
+        elif isinstance(values[0], list):
+            merged[f.name] = [x for v in values for x in v]
+        elif isinstance(values[0], torch.Tensor):
+            merged[f.name] = torch.cat(values)
+        elif values[0] is None:
+            merged[f.name] = None
+        else:
+            merged[f.name] = sum(values)
+    return RolloutBatch(**merged)
+
+
+def padded(rows: list[list[float]], width: int, dtype=torch.float32) -> torch.Tensor:
+    """Ragged per-token lists -> (B, width), zero after each row's end."""
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r[:width], dtype=dtype)
+    return out
+
+
+def generate(engine, examples, n: int, temperature: float, seed: int, sampling: dict, perf: dict,
+             logprobs: bool = False) -> Rollout:
+    """Sample n completions for each of this rank's `examples` (seconds into perf["generate_s"]), with the sampled
+    tokens' log-probs if `logprobs`. sampling: the engine's other generate keywords (top_p, top_k, max_new_tokens,
+    stop_token_ids, ignore_eos)."""
+    with timed(perf, "generate"):
+        rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, seed=seed,
+                                  logprobs=logprobs, **sampling)
+    if "generate_cpu" in engine.timings:  # vLLM: CPU seconds of its host loop (close to generate_s: host-bound)
+        perf["generate_cpu_s"] = engine.timings["generate_cpu"]
+    return rollout
+
+
+def score_rollout(rollout: Rollout, examples, reward_fn, tok, reward_timeout: float, format_coef: float,
+                  width: int, perf: dict):
+    """Score this rank's rollout (seconds into perf["score_s"]): the task reward (common.rewards.score), plus
+    format_coef x the format reward. Returns this rank's RolloutBatch and its texts, prompts and answers (for the
+    samples table); reward errors and timeouts are counted in it and the first error is printed."""
+    n = len(rollout.response_ids) // max(1, len(examples))
+    with timed(perf, "score"):
+        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True) if examples else []  # [] -> ['']
+        prompts = [e.prompt_text for e in examples for _ in range(n)]
+        answers = [e.answer for e in examples for _ in range(n)]
+        res = score(reward_fn, prompts, texts, answers, timeout_s=reward_timeout)
+    if res.first_error:
+        print(f"[rank {torch.distributed.get_rank()}] {res.n_errors} reward errors, {res.n_timeouts} timeouts; first: {res.first_error}",
+              flush=True)
+    rewards = torch.tensor(res.rewards, dtype=torch.float32)  # (B_rank,)
+    correct = rewards > 0  # (B_rank,) the task reward alone, before shaping
+    if format_coef:
+        rewards += format_coef * torch.tensor([format_reward(p, t, a) for p, t, a in zip(prompts, texts, answers)])
+    part = RolloutBatch(rollout.prompt_ids, rollout.response_ids, rewards, correct,
+                        torch.tensor([f == "length" for f in rollout.finish_reasons]),  # truncated
+                        padded(engine_rows := rollout.logprobs or [[]] * len(texts), width),
+                        padded([[1.0] * len(lp) for lp in engine_rows], width).bool(), None, res.n_errors,
+                        res.n_timeouts, perf.get("generate_s", 0.0))
+    return part, texts, prompts, answers
+
+
+def make_engine(kind: str, model_path: str, vllm_args, max_model_len: int, seed: int, device, pad_token_id: int,
+                stop_ids: list[int]):
+    """The rollout engine ("vllm" or "hf"), asleep: training owns the memory until sync_engine wakes it."""
+    if kind == "vllm":
+        from common.vllm_engine import VLLMEngine
+        engine = VLLMEngine(model_path, vllm_args, max_model_len, seed=seed)
+    else:
+        engine = HFEngine(model_path, device, pad_token_id=pad_token_id, eos_token_ids=stop_ids)
+    engine.sleep()
+    return engine
+
+
+def sync_engine(engine, policy, trained: bool, gather_all: bool, perf: dict) -> None:
+    """The end of a step: wake the engine's weights, refit them from the FSDP2 shards if the policy trained since
+    the last refit (or a level-2 sleep discarded them), then wake the KV cache for the next generation. A
+    collective when it refits (every rank streams the full tensors)."""
+    with timed(perf, "wake_weights"):
+        engine.wake(["weights"])
+    if trained or engine.weights_discarded:
+        with timed(perf, "refit"):
+            engine.load_weights(iter_full_params(policy, prefix="lm.", gather_all=gather_all))
+    with timed(perf, "wake_kv"):
+        engine.wake(["kv_cache"])
+
+
+def rollout_metrics(batch: RolloutBatch) -> dict:
+    """reward/* and rollout/* metrics of the gathered batch (docs/grpo.md, docs/ppo.md)."""
+    resp_len = batch.response_len
+    return {"reward/mean": batch.rewards.mean(), "reward/std": batch.rewards.std() if len(resp_len) > 1 else 0.0,
+            "reward/correct_frac": batch.correct.float().mean(),
+            "reward/errors": batch.n_errors, "reward/timeouts": batch.n_timeouts,
+            "rollout/response_len_mean": resp_len.float().mean(), "rollout/response_len_max": resp_len.max(),
+            "rollout/truncated_frac": batch.truncated.float().mean()}
+
+
+def sample_rows(prompts: list[str], texts: list[str], answers: list[str], rewards: torch.Tensor) -> list[dict]:
+    """The first few (prompt, completion, answer, reward) of this rank, for the samples table."""
+    return [{"prompt": prompts[i], "completion": texts[i], "answer": answers[i], "reward": float(rewards[i])}
+            for i in range(min(4, len(texts)))]
+
+
+def step_line(step: int, metrics: dict) -> str:
+    """The line printed after each step."""
+    return (f"step {step:4d} | reward {float(metrics['reward/mean']):.3f}"
+            f" | correct {float(metrics['reward/correct_frac']):.3f}"
+            f" | len {float(metrics['rollout/response_len_mean']):6.1f} | loss {float(metrics['train/loss']):+.4f}"
+            f" | {metrics['perf/step_s']:.1f} s/step")
 
 
 class HFEngine:

@@ -64,7 +64,7 @@ def main(model_dir: str, work: str):
     work = Path(work)
     root = work / "checkpoints"
     lm = load_causal_lm(model_dir)
-    policy = shard(lm, FSDPArgs(), d.device, root=TokenLogProbs(lm, "torch"))
+    policy, _ = shard(lm, FSDPArgs(), d.device, root=TokenLogProbs(lm, "torch"))
     check_gather_all(policy)  # before any forward (a resumed run refits first)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -142,7 +142,7 @@ def reshard(model_dir: str, work: str):
     from safetensors.torch import load_file
     d = D.init_distributed("cpu")
     lm = load_causal_lm(model_dir)
-    policy = shard(lm, FSDPArgs(), d.device, root=TokenLogProbs(lm, "torch"))
+    policy, _ = shard(lm, FSDPArgs(), d.device, root=TokenLogProbs(lm, "torch"))
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     with warnings.catch_warnings(record=True) as caught:

@@ -23,7 +23,7 @@ results = {}
 for name, fsdp in (("eager", FSDPArgs(compile="off")), ("compiled", FSDPArgs(compile="on")),
                    ("compiled_ckpt", FSDPArgs(compile="on", activation_checkpointing=True))):
     g = torch.Generator().manual_seed(0)
-    policy = shard(lm := load_causal_lm(model_dir, "varlen"), fsdp, d.device, root=TokenLogProbs(lm, "torch"))
+    policy, _ = shard(lm := load_causal_lm(model_dir, "varlen"), fsdp, d.device, root=TokenLogProbs(lm, "torch"))
     logps = []
     for step in range(3):
         lens = [(3 + step, 2 + step), (7, 4), (2 + 2 * step, 5)]

@@ -25,11 +25,11 @@ responses = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (4, 6, 
 mb = pack(prompts, responses, [0, 1, 2])
 results = {}
 for name, unit, raf in (("layer", "layer", True), ("layer_noraf", "layer", False), ("model", "auto", True)):
-    policy = shard(lm := load_causal_lm(model_dir, "sdpa"), FSDPArgs(unit=unit, reshard_after_forward=raf,
+    policy, plan = shard(lm := load_causal_lm(model_dir, "sdpa"), FSDPArgs(unit=unit, reshard_after_forward=raf,
                                                                      compile="off"), d.device,
                    root=TokenLogProbs(lm, "torch"))
     results[name + "_units"] = len(fsdp_units(policy))
-    assert policy.fsdp_unit == ("model" if name == "model" else "layer"), policy.fsdp_unit
+    assert plan.unit == ("model" if name == "model" else "layer"), plan.unit
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     for _ in range(2):
         with torch.no_grad():
@@ -52,7 +52,7 @@ for store in ("float32", "bfloat16"):
     lm = load_causal_lm(model_dir, "sdpa", trainable=False)
     if store == "float32":  # what mixed precision does for a trainable model: fp32 storage, bf16 compute
         lm.requires_grad_(True)
-    ref = shard(lm, FSDPArgs(param_dtype="bfloat16", compile="off"), d.device, root=TokenLogProbs(lm, "torch"))
+    ref, _ = shard(lm, FSDPArgs(param_dtype="bfloat16", compile="off"), d.device, root=TokenLogProbs(lm, "torch"))
     with torch.no_grad():
         frozen[store] = ref(mb.input_ids, mb.position_ids, mb.targets)[0]
     frozen[store + "_param_dtypes"] = sorted({str(p.dtype) for p in ref.parameters()})

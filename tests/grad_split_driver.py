@@ -1,9 +1,9 @@
-"""Run grpo.py's learn phase for one mini-batch on a fixed synthetic rollout and save the full gradient.
+"""Run grpo.py's own update for one mini-batch (grpo.learn_minibatch, with grpo.py's sharding) on a fixed
+synthetic rollout and save the full gradient.
 
     torchrun --nproc_per_node=N tests/grad_split_driver.py MODEL_DIR TOKEN_BUDGET LOSS_AGG OUT.pt [KEEP_GATHERED [UNIT]]
 
-The micro-batch loop is grpo.py's (pack -> forward -> unpack -> policy_loss -> backward x world size); the test
-compares the gradient across token budgets (1 vs several micro-batches) and rank counts.
+The test compares the gradient across token budgets (1 vs several micro-batches) and rank counts.
 """
 import os
 import sys
@@ -15,7 +15,8 @@ import grpo
 from common import dist as D
 from common.fsdp import FSDPArgs, fsdp_units, shard
 from common.models import TokenLogProbs, load_causal_lm
-from common.packing import pack, shard_microbatches
+from common.packing import shard_microbatches
+from common.rollout import RolloutBatch
 
 model_dir, budget, loss_agg, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 keep = sys.argv[5] if len(sys.argv) > 5 else "off"  # --fsdp.keep-gathered
@@ -25,41 +26,32 @@ g = torch.Generator().manual_seed(0)
 B, width = 8, 6
 prompts = [torch.randint(0, 1000, (3 + i % 3,), generator=g).tolist() for i in range(B)]
 responses = [torch.randint(0, 1000, (1 + (i * 5) % width,), generator=g).tolist() for i in range(B)]
-lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
 resp_len = torch.tensor([len(r) for r in responses])
 mask = (torch.arange(width)[None] < resp_len[:, None]).double()
 adv = torch.randn(B, generator=g, dtype=torch.float64)
 ref_logp = -torch.rand(B, width, generator=g, dtype=torch.float64) * 8
 engine_logp = (-torch.rand(B, width, generator=g, dtype=torch.float64) * 8) * mask
-args = grpo.Args(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, loss_agg=loss_agg, max_new_tokens=width)
+args = grpo.Args(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, loss_agg=loss_agg, max_new_tokens=width,
+                 max_tokens_per_microbatch=budget, logprob_impl="torch")
+batch = RolloutBatch(prompts, responses, torch.zeros(B), torch.zeros(B, dtype=torch.bool),
+                     torch.zeros(B, dtype=torch.bool), engine_logp, mask.bool(), None, 0, 0, 0.0)
 
 # float64 everywhere but the LM head (the reference kernel computes in fp32), so summation order barely matters
 fsdp = FSDPArgs(param_dtype="float64", reduce_dtype="float64", keep_gathered=keep, unit=unit)
-policy = shard(lm := load_causal_lm(model_dir).double(), fsdp, d.device, root=TokenLogProbs(lm, "torch"))
+policy, plan = shard(lm := load_causal_lm(model_dir).double(), fsdp, d.device, root=TokenLogProbs(lm, "torch"))
 rows = list(range(B))
-normaliser = grpo.loss_normaliser(mask[rows], args.loss_agg, args.max_new_tokens)
-micro = shard_microbatches(lengths, rows, d.world_size, d.rank, budget)
+micro = shard_microbatches(batch.lengths, rows, d.world_size, d.rank, budget)  # what learn_minibatch will run
 sharded_before = []  # per micro-batch: were the parameters sharded (DTensors) when its forward began?
-for i, mb_rows in enumerate(micro):
-    mb = pack(prompts, responses, mb_rows)
-    last = i == len(micro) - 1
-    policy.set_requires_gradient_sync(last)
-    policy.set_reshard_after_backward(last or not policy.keep_gathered)
-    sharded_before.append(all(isinstance(p, DTensor) for p in policy.parameters()))
-    logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature)
-    if not mb_rows:
-        (logp.sum() * 0.0).backward()
-        continue
-    logp, entropy = mb.unpack(logp, width), mb.unpack(entropy, width)
-    loss, _ = grpo.policy_loss(logp, entropy, mask[mb_rows], adv[mb_rows], logp.detach(), ref_logp[mb_rows],
-                               engine_logp[mb_rows], args, normaliser)
-    (loss * d.world_size).backward()
+policy.register_forward_pre_hook(  # prepended: before FSDP2's own hook gathers the parameters
+    lambda *_: sharded_before.append(all(isinstance(p, DTensor) for p in policy.parameters())), prepend=True)
+stats = {k: torch.zeros((), dtype=torch.float64) for k in
+         ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "gap_max", "tis_w")}
+grpo.learn_minibatch(policy, plan, batch, rows, mask, adv, None, ref_logp, engine_logp, mask.bool(), args, d, stats)
 grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
          for n, p in policy.named_parameters()}
-n_micro = torch.tensor(float(sum(1 for m in micro if m)))
 if d.is_main:
     torch.save({"grads": grads, "micro_rank0": len(micro), "sharded_before": sharded_before,
-                "units": len(fsdp_units(policy)), "unit": policy.fsdp_unit,
+                "units": len(fsdp_units(policy)), "unit": plan.unit,
                 "sharded_after": all(isinstance(p, DTensor) for p in policy.parameters())}, out)
 D.cleanup()
 # Leave without interpreter finalization: about 2 % of 2-rank gloo runs of this driver aborted there, after the work

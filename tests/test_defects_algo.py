@@ -104,7 +104,9 @@ def no_model(monkeypatch):
         raise AssertionError("the model was loaded before the bad flag was reported")
     for script in (grpo, ppo, dpo):
         monkeypatch.setattr(script.D, "init_distributed", lambda device="auto": Dist(0, 1, 0, torch.device("cpu")))
-        monkeypatch.setattr(script, "resolve_model", model_loaded)
+        # grpo.py / ppo.py resolve --model through common.rl_setup.resolve_model_once (rank 0 first)
+        monkeypatch.setattr(script, "resolve_model_once" if hasattr(script, "resolve_model_once") else "resolve_model",
+                            model_loaded)
         monkeypatch.setattr(script, "set_deterministic", lambda flag: None)
         monkeypatch.setattr(script.D, "seed_everything", lambda seed: None)
 

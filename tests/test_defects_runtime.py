@@ -54,7 +54,7 @@ with torch.no_grad():
     plain.head.weight.normal_(), plain.head.bias.fill_(0.3)
 critic = ValueModel(lm)
 critic.load_state_dict(plain.state_dict())
-critic = shard(lm, FSDPArgs(compile="off"), d.device, root=critic)
+critic, _ = shard(lm, FSDPArgs(compile="off"), d.device, root=critic)
 ids, pos = torch.randint(0, 100, (1, 12)), torch.arange(12)[None]
 w = torch.linspace(-1, 1, 12)[None]
 # the value model as it was: a view of the head's output

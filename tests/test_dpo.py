@@ -225,8 +225,12 @@ def test_dpo_two_ranks_cpu(tmp_path, tiny_model_dir):
         # starts over in the same run folder (--overwrite; the reference cache lives in --cache-dir, not there)
         p = torchrun("dpo.py", *args, *(["--fsdp.keep-gathered", "on", "--overwrite"] if run == "hit" else []))
         assert f"cached ({run}" in p.stdout
-        rows = [json.loads(line) for line in (tmp_path / "out" / "dpo" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [0, 1, 2]
+        merged = {}  # an evaluation is a row of its own at the step whose weights it measured: merge by step
+        for line in (tmp_path / "out" / "dpo" / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            merged.setdefault(row["step"], {}).update(row)
+        rows = [merged[k] for k in sorted(merged)]
+        assert [r["step"] for r in rows] == [0, 1, 2] and "train/loss" not in rows[2]  # 2: the final evaluation
         assert rows[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at step 0
         assert rows[0]["eval/rewards/margin"] == pytest.approx(0.0, abs=1e-4)
         for k in ("train/rewards/chosen", "train/rewards/rejected", "train/rewards/accuracy", "train/grad_norm",

@@ -101,11 +101,6 @@ def test_lr_schedule():
     assert grpo.lr_lambda(20, 4, 20, "cosine") == pytest.approx(0.1)
 
 
-def test_padded():
-    out = grpo.padded([[1.0, 2.0], [], [3.0]], 3)
-    assert out.tolist() == [[1, 2, 0], [0, 0, 0], [3, 0, 0]]
-
-
 def test_derived_geometry():
     a = grpo.Args(prompts_per_step=8, group_size=4, num_minibatches=2, num_epochs=3)
     assert (a.sequences_per_step, a.optimizer_steps_per_rollout, a.sequences_per_minibatch) == (32, 6, 16)

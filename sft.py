@@ -294,9 +294,10 @@ def main(args: Args) -> None:
             "trainer attention": describe(d.device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
             "train conversations (dropped too long)": f"{len(train)} ({dropped})",
             "held-out conversations (dropped)": f"{len(evals)} ({eval_dropped})",
-            "mean tokens (trained) / conversation": f"{mean_len:.1f} ({sum(e.num_trained for e in train) / len(train):.1f})",
+            "mean tokens (trained) / conversation":
+                f"{mean_len:.1f} ({sum(e.num_trained for e in train) / len(train):.1f})",
             "steps / epoch": steps_per_epoch, "optimiser steps": num_steps,
-            "greedy eval/accuracy": f"{args.eval_accuracy_size} prompts" if engine else "off (not a prompt/answer set)"}),
+            "greedy eval/accuracy": f"{len(prompts)} prompts / rank" if engine else "off"}),
             flush=True)
 
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps

@@ -113,7 +113,8 @@ def test_messages_in_prompt_completion_and_max_length(tok, tiny_smollm):
     ({"messages": [{"role": "bot", "content": "hi"}]}, r"row 1: field 'messages' message 0 must be"),
     ({"messages": "hi"}, "row 1: field 'messages' must be a non-empty list"),
     ({"prompt": "hi", "completion": "  "}, "row 1: field 'completion' is empty"),
-    ({"prompt": "hi", "completion": [{"role": "user", "content": "x"}]}, "row 1: field 'completion' may only hold assistant turns"),
+    ({"prompt": "hi", "completion": [{"role": "user", "content": "x"}]},
+     "row 1: field 'completion' may only hold assistant turns"),
 ])
 def test_bad_rows_name_source_row_and_field(tok, row, match):
     good = {"prompt": "hi", "completion": "hello"}

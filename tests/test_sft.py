@@ -137,6 +137,30 @@ def test_nll_share_sums_to_the_token_mean():
     torch.testing.assert_close(shares, -logp.mean())
 
 
+def test_token_accuracy_counts_top1_targets(tiny_smollm, tok):
+    rows = [{"messages": CHAT}, {"prompt": "Name a colour.", "completion": "Red, of course."}]
+    examples, _ = build_examples(rows, tok, 1024, eos_token_ids(tok, str(tiny_smollm)))
+    lm = load_causal_lm(str(tiny_smollm))
+    policy = TokenLogProbs(lm, "torch")
+
+    def logits_of(examples):
+        mb = pack_masked([e.ids for e in examples], [e.mask for e in examples], [0, 1])
+        with torch.no_grad():
+            return mb, lm(input_ids=mb.input_ids, position_ids=mb.position_ids).logits[0, mb.pos].float()  # (N, V)
+    mb, logits = logits_of(examples)
+    for r, e in enumerate(examples):  # each conversation's last trained token := the model's top-1 there: a hit
+        k = (mb.row == r).nonzero().max()  # changing it changes no earlier prediction
+        e.ids[int(mb.col[k])] = int(logits[k].argmax())
+    mb, logits = logits_of(examples)
+    targets = mb.targets[0, mb.pos]
+    hits = (logits.argmax(-1) == targets).sum()
+    with torch.no_grad():
+        logp, stats = sft.token_stats(policy, examples, [0, 1], True, torch.device("cpu"))
+    torch.testing.assert_close(logp, logits.log_softmax(-1).gather(1, targets[:, None])[:, 0], atol=1e-4, rtol=1e-4)
+    assert 2 <= hits < len(targets) and float(stats[2]) == float(hits)  # stats: tokens, nll, hits, entropy
+    assert float(stats[0]) == len(targets) == sum(e.num_trained for e in examples)
+
+
 @pytest.mark.slow
 def test_gradient_independent_of_microbatches_and_ranks(tmp_path, tiny_smollm):
     res = {}
@@ -205,3 +229,15 @@ def test_sft_cpu_two_ranks_loss_falls_resume_exact_export_loads(tmp_path, tiny_s
     ckpt = TokenLogProbs(load_for_export(full / "sft" / "checkpoints" / "step_000004", str(tiny_smollm)), "torch")
     with torch.no_grad():
         torch.testing.assert_close(sft.token_stats(ckpt, examples, [0, 1, 2, 3], True, torch.device("cpu"))[0], logp)
+
+
+@pytest.mark.slow
+def test_sft_default_smollm2_lowers_the_loss(tmp_path):
+    """The default model (SmolLM2-135M-Instruct from the pip GGUF) on GSM8K-shaped rows: 3 steps lower the held-out
+    loss."""
+    torchrun("sft.py", "--dataset", str(GSM8K), "--sequences-per-step", "4", "--num-steps", "3", "--eval-every", "3",
+             "--eval-fraction", "0.1", "--eval-accuracy-size", "0", "--lr", "2e-5", "--out-dir", str(tmp_path),
+             nproc=1, timeout=900)
+    evals = [r for r in read_metrics(tmp_path / "sft") if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+    assert evals[1]["eval/loss"] < evals[0]["eval/loss"] - 0.1, evals

@@ -119,6 +119,9 @@ def tokenize_messages(tok, messages: list[dict], stop_ids: list[int], method: st
             raise ValueError("--assistant-mask generation: the chat template marked no assistant token (it has no "
                              "{% generation %} block); use --assistant-mask prefix")
         return Example(list(out["input_ids"]), mask)
+    if not tok.is_fast:
+        raise ValueError("--assistant-mask prefix needs a fast tokenizer (character offsets of each token); use "
+                         "--assistant-mask generation with a {% generation %} template")
     text, spans = prefix_spans(tok, messages)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, starts = list(enc["input_ids"]), [s for s, _ in enc["offset_mapping"]]

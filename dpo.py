@@ -51,13 +51,18 @@ from common import checkpoint as C
 from common import dist as D
 from common.args import RunArgs, cli
 from common.data import load_rows
+from common.determinism import set_deterministic
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
 from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer, resolve_model
+from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
 from common.passes import microbatch_rows
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
                                reference_logprobs, response_logp_sums)
+from common.progress import note, show_phase
+from common.run_dir import claim_run_dir
+from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
 from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
 
 
@@ -66,9 +71,9 @@ class Args(RunArgs):  # and the run flags of common/args.py
     exp_name: str = "dpo"
     seed: int = 1
     """seed for the held-out split and the data order"""
-    num_steps: int = 0
-    """optimiser steps to run (0: --num-epochs passes over the train pairs)"""
-    eval_every: int = 50
+    num_steps: int = 24
+    """optimiser steps to run (0: --num-epochs passes over the train pairs); the default is CPU-sized"""
+    eval_every: int = 12
     """evaluate on the held-out pairs every this many steps, and at the start and end (0: never)"""
     eval_size: int = 512
     """most held-out pairs to evaluate (0: all)"""
@@ -77,8 +82,9 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (the policy, and the reference by default)"""
     ref_model: str | None = None
     """reference model pi_ref (same tokenizer); None: the initial policy weights"""
-    dataset: str = "Anthropic/hh-rlhf"
-    """HF dataset id, or a local .jsonl(.gz)/.parquet file or folder (python -m common.preference make-pairs)"""
+    dataset: str = str(Path(__file__).resolve().parent / "data" / "hh-rlhf-harmless" / "short.jsonl.gz")
+    """HF dataset id (Anthropic/hh-rlhf), or a local .jsonl(.gz)/.parquet file or folder; default: 488 short HH-RLHF
+    harmless pairs shipped in data/ (data/hh-rlhf-harmless/README.md)"""
     dataset_config: str | None = None
     """HF dataset config name"""
     train_split: str = "train"
@@ -93,7 +99,7 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """field holding the preferred response (text, messages, or the whole dialogue)"""
     rejected_field: str = "rejected"
     """field holding the dispreferred response"""
-    max_length: int = 1024
+    max_length: int = 256
     """pairs whose prompt + longer response exceed this many tokens are dropped (and counted)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
@@ -104,8 +110,8 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """eps: probability that a preference label is flipped (cDPO; sigmoid and simpo)"""
     simpo_gamma: float = 0.5
     """gamma: SimPO target reward margin"""
-    lr: float = 5e-7
-    """AdamW learning rate"""
+    lr: float = 1e-5
+    """AdamW learning rate (CPU default for the 135M model's 24 steps; runs/dpo_hh_smollm2.sh uses 1e-6 on a GPU)"""
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     """after warm-up: constant, or cosine decay to 10% over the run"""
     warmup_steps: int = 0
@@ -117,12 +123,13 @@ class Args(RunArgs):  # and the run flags of common/args.py
     max_grad_norm: float = 1.0
     """clip the global gradient norm (0: no clipping)"""
     # ---- batch geometry ----------------------------------------------------------------------------------
-    pairs_per_step: int = 32
+    pairs_per_step: int = 8
     """pairs per optimiser step, over all ranks (the loss is their mean)"""
     num_epochs: int = 1
     """passes over the train pairs (when --num-steps is 0)"""
-    max_tokens_per_microbatch: int = 8192
-    """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch"""
+    max_tokens_per_microbatch: int = 1024
+    """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch (CPU-sized
+    default: sdpa attends over the whole packed row, so its cost grows with its square; 8192+ on a GPU)"""
     # ---- infrastructure ----------------------------------------------------------------------------------
     ref_cache: bool = True
     """cache reference log-probs on disk; --no-ref-cache keeps pi_ref in memory and computes them live"""
@@ -226,9 +233,14 @@ def evaluate(policy, pairs, ids, ref_table, ref_model, args, d) -> dict:
 
 def main(args: Args) -> None:
     d = D.init_distributed(args.device)
-    C.set_deterministic(args.deterministic)
+    set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
+    for name, least in (("num_steps", 0), ("pairs_per_step", 1), ("num_epochs", 1), ("eval_size", 0),
+                        ("max_length", 1), ("max_tokens_per_microbatch", 1), ("lr", 0), ("warmup_steps", 0),
+                        ("keep_last", 1)):
+        if not getattr(args, name) >= least:  # `not >=`: NaN fails too
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
     if args.max_tokens_per_microbatch < 2 * args.max_length:
         raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one pair "
                          f"(2 x --max-length = {2 * args.max_length}): both sequences of a pair share a micro-batch")
@@ -239,6 +251,7 @@ def main(args: Args) -> None:
         raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
                          "leave it unset to hold out --eval-fraction")
     run_dir = Path(args.out_dir) / args.exp_name
+    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
 
     # ---- models and optimiser ------------------------------------------------------------------------------
     model_path = resolve_model(args.model) if d.is_main else None  # rank 0 converts a GGUF once
@@ -253,15 +266,22 @@ def main(args: Args) -> None:
     ref_model = load_ref() if args.uses_reference and not args.ref_cache else None
 
     # ---- data ---------------------------------------------------------------------------------------------
-    def pairs_of(rows):
-        return build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field)
+    def pairs_of(rows, split):
+        reasons = {}
+        out = build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field,
+                          source=f"--dataset {args.dataset} ({split})", reasons=reasons)
+        if d.is_main and reasons["identical"]:
+            print(f"{split}: dropped {reasons['identical']} pairs whose chosen equals their rejected response "
+                  f"(no preference to learn)", flush=True)
+        return out
     rows = load_rows(args.dataset, args.train_split, args.dataset_config)
     if args.eval_split:
         eval_rows = load_rows(args.dataset, args.eval_split, args.dataset_config)
     else:
         rows, eval_rows = holdout_split(rows, args.eval_fraction, args.seed)
-    train, dropped = pairs_of(rows)
-    evals, eval_dropped = pairs_of(eval_rows[:args.eval_size] if args.eval_size else eval_rows)
+    train, dropped = pairs_of(rows, args.train_split)
+    evals, eval_dropped = pairs_of(eval_rows[:args.eval_size] if args.eval_size else eval_rows,
+                                   args.eval_split or "held out")
     if args.pairs_per_step > len(train):
         raise ValueError(f"--pairs-per-step {args.pairs_per_step} is more than the {len(train)} train pairs "
                          f"({dropped} dropped as longer than --max-length {args.max_length}); lower it")
@@ -284,6 +304,7 @@ def main(args: Args) -> None:
         def compute():  # the initial policy is pi_ref unless --ref-model names another
             model = policy if args.ref_model is None else load_ref()
             return reference_logprobs(model, pairs, d.world_size, d.rank, args.max_tokens_per_microbatch, d.device)
+        note(d.is_main, f"reference log-probs of {len(pairs)} pairs (once; cached in {args.cache_dir})")
         with timed(perf0, "ref_pass"):
             ref_table, hit = cached_reference_logprobs(args.cache_dir, key, compute, spec | {"ref_model": ref_path})
         ref_table = ref_table.to(d.device)  # (N, 2) summed log pi_ref of [chosen, rejected]
@@ -311,7 +332,7 @@ def main(args: Args) -> None:
             raise ValueError(f"--resume {resume_from}: that run trained against the reference log-probs "
                              f"{extra['ref_cache']}, this one has {ref_cache}: the pairs, the reference model or the "
                              "flags in the cache key differ from that run's")
-    stop, guard = C.install_stop_handler(), C.NanGuard(args.max_bad_updates, ckpt_root)
+    stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "model_path": model_path, "ref_model_path": ref_path,
                               "train_pairs": len(train), "train_pairs_dropped": dropped, "eval_pairs": len(evals),
                               "eval_pairs_dropped": eval_dropped, "num_steps_resolved": num_steps,
@@ -335,6 +356,7 @@ def main(args: Args) -> None:
         print(print_table("batch geometry", geometry), flush=True)
 
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
+        show_phase(progress, at, f"evaluating on {len(eval_ids)} held-out pairs")
         with timed(perf := {}, "eval"):
             metrics = evaluate(policy, pairs, eval_ids, ref_table, ref_model, args, d)
         log_eval(tracker, at, d.is_main, metrics | {"perf/eval_s": perf["eval_s"]})
@@ -343,9 +365,9 @@ def main(args: Args) -> None:
     policy.train()
     order: list[int] = []
     evaluating = args.eval_every and eval_ids
+    progress, stopping = Progress(d.is_main, num_steps, start), False
     if evaluating and start % args.eval_every == 0 and start < num_steps:
         evaluate_and_log(start)
-    progress, stopping = Progress(d.is_main, num_steps, start), False
     for step in range(start, num_steps):
         perf: dict[str, float] = dict(perf0) if step == start else {}
         t_step = time.perf_counter()
@@ -391,7 +413,7 @@ def main(args: Args) -> None:
         # ---- 5. evaluate, 6. checkpoint -----------------------------------------------------------------------
         if evaluating and (step + 1) % args.eval_every == 0 and step + 1 < num_steps:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
-        stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
+        stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == num_steps or (args.save_every and (step + 1) % args.save_every == 0):
             data = {"epoch": epoch, "position": position}  # ref_cache: the DPO reference cache pointer
             C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "data": data, "ref_cache": ref_cache},
@@ -407,6 +429,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
+    exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Benchmark selected-token log-prob + entropy of an LM head (kernels/logprob.py) on one GPU.
 
 Compares, at N tokens, hidden size H, vocabulary V (default a Qwen2.5-7B head, 32k tokens, bf16):
-  ours    token_logprobs(impl="fused"), once per variant (kernels.logprob.VARIANT: "triton" GEMM
+  ours    token_logprobs(impl="fused"), once per variant (its `variant` argument: "triton" GEMM
           kernels with fused epilogues, "cublas" cuBLAS GEMMs into fp32 blocks + streaming Triton
-          kernels) and per workspace budget (kernels.logprob.WORKSPACE_BYTES), rows named
+          kernels) and per workspace budget (its `workspace_mb` argument), rows named
           variant/budget
   matmul  the bare matmuls, the floor: h @ W^T forward; dlogits @ W and dlogits^T @ h backward
   liger   Liger-Kernel's LigerFusedLinearCrossEntropyLoss (log-prob only, no entropy; it computes
@@ -41,13 +41,10 @@ def naive(h, w, t, temperature):
     return logp, ent
 
 
-def ours(h, w, t, temperature):
-    return token_logprobs(h, w, t, temperature, impl="fused")
-
-
-def set_variant(variant, budget_mb):
-    klp.VARIANT = variant
-    klp.WORKSPACE_BYTES = budget_mb << 20
+def ours(variant, budget_mb):
+    """token_logprobs with these kernel settings, called as fn(h, w, t, temperature)."""
+    return lambda h, w, t, temperature: token_logprobs(h, w, t, temperature, impl="fused", variant=variant,
+                                                       workspace_mb=budget_mb)
 
 
 def make_liger():
@@ -139,10 +136,10 @@ def rel_errors(got, want):
     return (d.abs().max() / want.abs().max()).item(), (d.norm() / want.norm()).item()
 
 
-def check(h, w, t, g, temperature, ref):
+def check(fn, h, w, t, g, temperature, ref):
     hs = h.detach().clone().requires_grad_()
     ws = w.detach().clone().requires_grad_()
-    logp, ent = ours(hs, ws, t, temperature)
+    logp, ent = fn(hs, ws, t, temperature)
     (logp * g[0] + ent * g[1]).sum().backward()
     r_lp, r_ent, r_dh, r_dw = ref
     errs = ((logp - r_lp).abs().max().item(), (ent - r_ent).abs().max().item(),
@@ -158,7 +155,7 @@ def main():
     p.add_argument("--V", type=int, default=152064, help="vocabulary size")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--variants", default="triton,cublas", help="kernels.logprob.VARIANT values")
+    p.add_argument("--variants", default="triton,cublas", help="values of token_logprobs's variant argument")
     p.add_argument("--budgets-mb", default="320", help="comma-separated workspace budgets (MB)")
     p.add_argument("--rep", type=int, default=500, help="do_bench repetition time (ms)")
     p.add_argument("--skip", default="", help="comma-separated: naive,liger,matmul,check")
@@ -212,18 +209,18 @@ def main():
                       "the fp32-copy fallback is far too slow to time here", flush=True)
                 continue
         for mb in (int(x) for x in args.budgets_mb.split(",")):
-            set_variant(variant, mb)
+            fn = ours(variant, mb)
             name = f"{variant}/{mb}MB"
             el = h.element_size() + (4 if variant == "cublas" else 0)
-            rb, cb = klp._bwd_tiles(N, V, H, el, klp.WORKSPACE_BYTES, 128)
-            rf, cf = klp._fwd_tiles(N, V, klp.WORKSPACE_BYTES, 128)
-            row = bench(name, ours, h, w, t, g, args.temperature, args.rep)
+            rb, cb = klp._bwd_tiles(N, V, H, el, mb << 20, 128)
+            rf, cf = klp._fwd_tiles(N, V, mb << 20, 128)
+            row = bench(name, fn, h, w, t, g, args.temperature, args.rep)
             row.update(variant=variant, mb=mb)
             report(row, f"bwd blocks {rb}x{cb} (dW rounded {-(-N // rb)}x)"
                         + (f", fwd blocks {rf}x{cf}" if variant == "cublas" else ""))
             if ref is not None and "error" not in row:
                 try:
-                    print(f"  check {name}: {check(h, w, t, g, args.temperature, ref)}",
+                    print(f"  check {name}: {check(fn, h, w, t, g, args.temperature, ref)}",
                           flush=True)
                 except Exception as e:
                     print(f"  check {name} failed: {type(e).__name__}: {e}", flush=True)
@@ -269,10 +266,10 @@ def main():
     if args.profile and mine:
         from torch.profiler import ProfilerActivity, profile
 
-        set_variant(best["variant"], best["mb"])
+        fn = ours(best["variant"], best["mb"])
 
         def step():
-            outs = ours(h, w, t, args.temperature)
+            outs = fn(h, w, t, args.temperature)
             (outs[0] * g[0] + outs[1] * g[1]).sum().backward()
             h.grad = w.grad = None
 

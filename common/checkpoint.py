@@ -1,4 +1,5 @@
-"""Checkpoints: atomic sharded saves (torch.distributed.checkpoint), resume, clean stops, NaN guard, HF export.
+"""Checkpoint I/O: atomic sharded saves (torch.distributed.checkpoint), resume, HF export. Clean stops are
+common/stop.py, the non-finite guard common/nan_guard.py, the run folder's lock common/run_dir.py.
 
     ckpt_root = run_dir / "checkpoints"
     start = resolve_resume(args.resume, ckpt_root)           # "" | "latest" | a step_NNNNNN folder
@@ -11,17 +12,14 @@
 A checkpoint folder `step_000012` holds the state after 12 completed steps: DCP shards of every (model, optimiser)
 pair and of the other stateful objects (LR scheduler), `extra.json` (rank 0's plain dict: data position, algorithm
 state), `rng_rank{r}.pt` per rank, and `COMPLETE` (a JSON manifest) written last. Only folders with COMPLETE count.
-Layout and failure behaviour: docs/checkpoints.md. Standalone export:
-    python -m common.checkpoint export --checkpoint runs_out/grpo/checkpoints/step_000010 --model <orig> --out DIR
+Layout and failure behaviour: docs/checkpoints.md. Standalone export (tools/export.py):
+    python -m tools.export --checkpoint runs_out/grpo/checkpoints/step_000010 --model <orig> --out DIR
 """
-import argparse
+import errno
 import json
-import math
-import os
 import random
 import re
 import shutil
-import signal
 import socket
 import time
 import warnings
@@ -88,19 +86,30 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
 
 def resolve_resume(arg: str, ckpt_root: Path) -> Path | None:
     """--resume: "" (start fresh), "latest" (newest complete checkpoint under ckpt_root; None when there is none),
-    or an explicit checkpoint folder, which must carry the COMPLETE marker."""
-    if not arg:
-        return None
+    or an explicit checkpoint folder, which must carry the COMPLETE marker. Rank 0 prints which it is."""
+    path = None
     if arg == "latest":
-        return latest_checkpoint(ckpt_root)
-    path = Path(arg).expanduser()
-    if not path.is_dir():
+        path = latest_checkpoint(ckpt_root)
+    elif arg:
+        path = Path(arg).expanduser()
         have = ", ".join(p.name for p in complete_checkpoints(ckpt_root)) or "none"
-        raise CheckpointError(f"--resume {arg}: no such checkpoint folder (complete checkpoints under {ckpt_root}: "
-                              f"{have})")
-    if not (path / COMPLETE).is_file() or path.name.startswith(".tmp-"):  # .tmp-: never renamed into place
-        raise CheckpointError(f"--resume {arg}: the checkpoint is incomplete (no {COMPLETE} marker: the run was "
-                              f"killed while writing it); use --resume latest or another checkpoint")
+        if not path.exists():
+            raise CheckpointError(f"--resume {arg}: no such path (complete checkpoints under {ckpt_root}: {have}); "
+                                  "pass a step_NNNNNN folder or 'latest'")
+        if not path.is_dir():
+            raise CheckpointError(f"--resume {arg}: a file, not a checkpoint folder; pass a step_NNNNNN folder")
+        if not STEP_RE.match(path.name.removeprefix(".tmp-")):  # a run folder or a checkpoints/ folder
+            inside = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
+            what = "a run folder" if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").exists() \
+                else "a folder of checkpoints" if inside else "not a checkpoint folder (no step_NNNNNN name)"
+            hint = f"its newest complete checkpoint is {inside[-1]}" if inside else "it has no complete checkpoint"
+            raise CheckpointError(f"--resume {arg}: {what}, not a checkpoint; {hint} (or pass --resume latest to "
+                                  f"take the newest of this run)")
+        if not (path / COMPLETE).is_file() or path.name.startswith(".tmp-"):  # .tmp-: never renamed into place
+            raise CheckpointError(f"--resume {arg}: the checkpoint is incomplete (no {COMPLETE} marker: the run was "
+                                  f"killed while writing it); use --resume latest or another checkpoint")
+    if path is None and _rank_world()[0] == 0:
+        print(f"no checkpoint{' under ' + str(ckpt_root) if arg else ''}, starting fresh", flush=True)
     return path
 
 
@@ -215,13 +224,40 @@ def save_checkpoint(ckpt_root: Path, step: int, state: dict, extra: dict | None 
             error = f"rank 0: {type(e).__name__}: {e}"
     error = D.broadcast_object(error)
     if error:
+        size = float(D.all_reduce(float(_state_bytes(state))))  # every rank's shards: the checkpoint's size
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             intact = (f"the previous checkpoint {previous.name} is intact" if previous is not None
                       else "there is no earlier checkpoint")
-        intact = D.broadcast_object(intact if rank == 0 else None)
+            free = shutil.disk_usage(root).free
+            if _no_space(error) or free < size:  # torch.save on a full disk says "unexpected pos 704 vs 598"
+                error = (f"no space left on the device of {root}: {_size(free)} free, the checkpoint needs about "
+                         f"{_size(size)}; free some space (or lower --keep-last) and resume ({error})")
+        error, intact = D.broadcast_object((error, intact) if rank == 0 else None)
         raise CheckpointError(f"checkpoint at step {step} failed: {error}; {intact}")
     return final
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _no_space(error: str) -> bool:
+    return any(m in error for m in ("No space left", f"Errno {errno.ENOSPC}", "unexpected pos"))
+
+
+def _state_bytes(state: dict) -> int:
+    """This rank's bytes of the tensors in `state` (local shards of DTensors), as DCP writes them."""
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            t = x.to_local() if hasattr(x, "to_local") else x
+            return t.numel() * t.element_size()
+        if isinstance(x, dict):
+            return sum(walk(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(walk(v) for v in x)
+        return 0
+    return walk(_dcp_state(state))
 
 
 def _prune(root: Path, keep_last: int, just_saved: Path) -> None:
@@ -261,82 +297,10 @@ def load_checkpoint(path: Path, state: dict, restore_rng: bool = True) -> dict:
             warnings.warn(f"{path} was saved by {manifest['world_size']} ranks, this run has {world}: model and "
                           "optimiser were resharded, but the per-rank RNG states are not restored, so the run "
                           "continues from the seed's RNG and is not bit-identical to an uninterrupted one")
-    return json.loads((path / "extra.json").read_text())
-
-
-# ---------------------------------------------------------------------------- clean stops, determinism, NaNs
-
-
-class StopFlag:
-    requested: bool = False
-
-
-def install_stop_handler() -> StopFlag:
-    """SIGTERM / SIGINT set flag.requested, so the loop can finish its step, checkpoint and exit; a second signal
-    stops at once. torchrun forwards SIGTERM to every worker and kills them ~30 s later: the save must fit."""
-    flag = StopFlag()
-
-    def handler(signum, frame):
-        if flag.requested:  # second Ctrl-C: give up on the clean stop
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        flag.requested = True
-        print(f"[rank {_rank_world()[0]}] {signal.Signals(signum).name}: stopping after this step "
-              "(checkpoint, then exit); send it again to stop now", flush=True)
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return flag
-
-
-def stop_agreed(flag: StopFlag) -> bool:
-    """True on every rank when any rank was asked to stop (an all-reduce max: call it on every rank, every step)."""
-    return bool(D.all_reduce(float(flag.requested), op="max") > 0)
-
-
-def set_deterministic(on: bool) -> None:
-    """--deterministic: deterministic kernels where torch has them (warn where not), no cuDNN autotuning. Call it
-    before the first CUDA matmul (cuBLAS reads CUBLAS_WORKSPACE_CONFIG once). vLLM sampling is not covered."""
-    if on:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(on, warn_only=True)
-    torch.backends.cudnn.deterministic = on
-    torch.backends.cudnn.benchmark = not on and torch.backends.cudnn.benchmark
-
-
-def all_finite(*values: float) -> bool:
-    """True on every rank when every value is finite on every rank (an all-reduce: call it on every rank)."""
-    bad = float(not all(math.isfinite(float(v)) for v in values))
-    return bool(D.all_reduce(bad, op="max") == 0)
-
-
-class NanGuard:
-    """Skip optimiser steps whose loss or gradient norm is not finite; stop after max_consecutive in a row.
-
-        if guard.check(grad_norm, loss, step): optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    """
-
-    def __init__(self, max_consecutive: int = 3, ckpt_root: Path | None = None):
-        self.max_consecutive, self.ckpt_root = max_consecutive, ckpt_root
-        self.consecutive = 0
-        self.skipped = 0  # total, for logging
-
-    def check(self, grad_norm: float, loss: float, step: int | None = None) -> bool:
-        """True: take the step. False: skip it (non-finite on some rank). Raises after max_consecutive skips."""
-        if all_finite(grad_norm, loss):
-            self.consecutive = 0
-            return True
-        self.consecutive += 1
-        self.skipped += 1
-        if self.consecutive >= self.max_consecutive:
-            last = latest_checkpoint(self.ckpt_root) if self.ckpt_root is not None else None
-            raise RuntimeError(
-                f"{self.consecutive} consecutive non-finite updates (loss {float(loss):g}, grad norm "
-                f"{float(grad_norm):g}) at step {step}: stopping; lower --lr or check the data; last good "
-                f"checkpoint: {last if last is not None else 'none'}")
-        return False
+    extra = json.loads((path / "extra.json").read_text())
+    if rank == 0:
+        print(f"resumed from {path} at step {extra['step']}", flush=True)
+    return extra
 
 
 # ---------------------------------------------------------------------------- Hugging Face export
@@ -416,57 +380,51 @@ def export_hf(model: nn.Module, tokenizer, config, out_dir: Path, prefix: str = 
 
 def load_for_export(checkpoint: Path, model_path: str, key: str = "policy") -> nn.Module:
     """A single-process model built from `model_path`'s config with the weights of `key` in a DCP checkpoint
-    (sharded by any number of ranks; DCP reads it without a process group)."""
+    (sharded by any number of ranks; DCP reads it without a process group). A causal LM for a policy; for a critic
+    (ppo.py's ValueModel: `backbone.*` plus a scalar `head`) an AutoModelForSequenceClassification with
+    num_labels=1 whose `score` is the value head (its bias in config.value_head_bias, see docs/checkpoints.md)."""
     from torch.distributed.checkpoint import FileSystemReader
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / COMPLETE).is_file():
         raise CheckpointError(f"{checkpoint} is incomplete (no {COMPLETE} marker: the run was killed while "
                               "writing it); pick another checkpoint")
     config = AutoConfig.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     head = f"{key}.model."
     saved_keys = [k[len(head):] for k in saved if k.startswith(head)]
     if not saved_keys:
         names = sorted({k.split(".")[0] for k in saved})
         raise CheckpointError(f"{checkpoint} has no model under '{key}'; it holds {names}: pass --key <one of them>")
-    # The trained module may wrap the HF model (TokenLogProbs keeps it at "lm."): find the prefix from one name.
-    probe = next(iter(model.state_dict()))
+    value = f"{head}head.weight" in saved  # ppo.py's ValueModel: backbone + a (1, H) head
+    if value:
+        config.num_labels = 1
+        if config.pad_token_id is None:  # sequence classification pools at the last non-pad token
+            config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config, dtype=torch.float32)
+        model.config.architectures = [type(model).__name__]
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    body = model.base_model if value else model
+    # The trained module may wrap the HF model (TokenLogProbs keeps it at "lm.", ValueModel its backbone at
+    # "backbone."): find the prefix from one name.
+    probe = next(iter(body.state_dict()))
     match = next((k for k in saved_keys if k.endswith(probe)), None)
     if match is None:
         raise CheckpointError(f"{checkpoint}: '{key}' does not look like {config.model_type} from {model_path} "
                               f"(no saved name ends in {probe}; saved names start with {saved_keys[:3]})")
     prefix = head + match[: len(match) - len(probe)]
-    params = {prefix + n: p.data for n, p in model.state_dict(keep_vars=True).items() if prefix + n in saved}
-    missing = [n for n, _ in model.named_parameters() if prefix + n not in saved]
+    params = {prefix + n: p.data for n, p in body.state_dict(keep_vars=True).items() if prefix + n in saved}
+    missing = [n for n, _ in body.named_parameters() if prefix + n not in saved]
     if missing:
         raise CheckpointError(f"{checkpoint}: '{key}' lacks parameters of the model at {model_path}: {missing[:5]}")
+    bias = torch.zeros(1)
+    if value:
+        params[f"{head}head.weight"] = model.score.weight.data  # (1, H)
+        if f"{head}head.bias" in saved:
+            params[f"{head}head.bias"] = bias
     dcp.load(params, checkpoint_id=str(checkpoint), no_dist=True)  # in place into the model's tensors
+    if value:
+        model.config.value_head_bias = float(bias)  # HF's score has no bias: V = score(h) + value_head_bias
     return model
-
-
-def _main() -> None:
-    p = argparse.ArgumentParser(prog="python -m common.checkpoint", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="write a DCP checkpoint's model as a Hugging Face folder")
-    e.add_argument("--checkpoint", required=True, help="a step_NNNNNN folder (with COMPLETE)")
-    e.add_argument("--model", required=True, help="the --model the run started from (config and tokenizer)")
-    e.add_argument("--out", required=True, help="output folder (replaced if it exists)")
-    e.add_argument("--key", default="policy", help="which model of the checkpoint (policy, critic, ...)")
-    e.add_argument("--dtype", default="keep", choices=["keep", "bfloat16", "float16", "float32"],
-                   help="dtype of the written weights (keep: fp32 master weights)")
-    a = p.parse_args()
-    from transformers import AutoTokenizer
-
-    from common.models import resolve_model
-    model_path = resolve_model(a.model)
-    model = load_for_export(Path(a.checkpoint), model_path, a.key)
-    dtype = None if a.dtype == "keep" else getattr(torch, a.dtype)
-    out = export_hf(model, AutoTokenizer.from_pretrained(model_path), None, Path(a.out), dtype=dtype)
-    print(f"wrote {out} from {a.checkpoint} ({a.key})")
-
-
-if __name__ == "__main__":
-    _main()

@@ -27,7 +27,7 @@ Only lse and H (N,) fp32 are saved; the backward recomputes z.
 
 Implementation (impl="fused"): two variants of the logits, one backward loop
 ------------------------------------------------------------------------------
-VARIANT "triton" (LOGPROB_VARIANT=triton). Forward: one kernel, a GEMM with an online-softmax
+variant="triton". Forward: one kernel, a GEMM with an online-softmax
 epilogue. Program = (block of BLOCK_N rows, range of V); it loops over BLOCK_V chunks of its range and
 over H in BLOCK_K steps (tl.dot, fp32 accumulate), and writes (N,) partial stats per V range; a few
 (S, N) torch ops merge them. Splitting V keeps the GPU full at small N, and programs are launched in
@@ -35,7 +35,7 @@ groups (GROUP_N row blocks x all V ranges) so that the h and W tiles in flight f
 GEMM's grouped order does. Backward: a Triton GEMM kernel recomputes each logits tile and writes
 dlogits in the input dtype straight from registers.
 
-VARIANT "cublas" (the default: faster on the H200, docs/kernels.md). cuBLAS computes each (rows, cols) block of
+variant="cublas" (the default: faster on the H200, docs/kernels.md). cuBLAS computes each (rows, cols) block of
 h @ W^T with fp32 output (torch.mm(out_dtype=float32): bf16 products, fp32 sums, no bf16 rounding of the logits)
 and a memory-bound Triton kernel reads the block once: in the forward it folds it into running
 (m, s, a, z_t) per row (the merge rule above), in the backward it writes dlogits. Costs one fp32
@@ -54,7 +54,7 @@ the logits needs 4 GEMMs against the 3 of a plain matmul forward+backward, so fw
 4/3 of the bare-matmul floor.
 
 Memory. Workspace = what we allocate beyond the inputs, the saved (N,) stats and the returned dh, dW.
-Budget WORKSPACE_BYTES (LOGPROB_WORKSPACE_MB, default 320): the backward gives at most a third to
+Budget workspace_mb (an argument of token_logprobs, default 320): the backward gives at most a third to
 the fp32 dh accumulator (rows x H x 4 B; this sets rows, then rows are evened out so that the
 blocks have equal size) and the rest to the (rows, cols) dlogits buffer (+ the fp32 logits block
 for "cublas"); the cublas forward uses it for one fp32 logits block (all rows when they fit). At
@@ -77,12 +77,6 @@ except ImportError:  # CPU-only installs: impl="torch" still works
     HAS_TRITON = False
 
 IGNORE_INDEX = -100
-# How the logits are computed (docstring): "triton" GEMM kernels with fused epilogues, or "cublas"
-# GEMMs into fp32 blocks + memory-bound Triton kernels. Read at every call; LOGPROB_VARIANT overrides.
-VARIANT = os.environ.get("LOGPROB_VARIANT", "cublas")
-# Workspace beyond inputs, saved (N,) stats and the returned dh, dW ("Memory" in the docstring):
-# under 2% of the fp32 logits at N = 32k, V = 152k; a larger one rounds dW fewer times.
-WORKSPACE_BYTES = int(os.environ.get("LOGPROB_WORKSPACE_MB", "320")) << 20
 
 
 def _interpreting() -> bool:
@@ -310,15 +304,15 @@ _CANDIDATES = {
             (128, 128, 128, 8, 3), (128, 256, 64, 8, 4)],
 }
 _TUNE_MIN_WORK = 1 << 40  # N * H * V below which the default config is used untimed
-TUNED = {}  # (kind, dtype, H, V, N bucket) -> chosen config; read by bench/bench_logprob.py
+TUNED = {}  # a cache, not a setting: (kind, dtype, H, V, N bucket) -> chosen config (bench_logprob.py prints it)
 
 
-def _pick(kind, hidden, weight, launch):
-    """Block config for this problem: the default, or the fastest candidate (timed once)."""
+def _pick(kind, hidden, weight, launch, tune):
+    """Block config for this problem: the default, or (tune) the fastest candidate, timed once."""
     cfg = _configs(kind, hidden.dtype, hidden.device)
     (N, H), V = hidden.shape, weight.shape[0]
     if (_interpreting() or hidden.device.type != "cuda" or hidden.dtype == torch.float32
-            or N * H * V < _TUNE_MIN_WORK or os.environ.get("LOGPROB_TUNE", "1") == "0"):
+            or N * H * V < _TUNE_MIN_WORK or not tune):
         return cfg
     key = (kind, hidden.dtype, H, V, N.bit_length())
     if key not in TUNED:
@@ -357,9 +351,9 @@ def _launch_fwd(hidden, weight, targets, temperature, cfg):
     return part
 
 
-def _fused_forward(hidden, weight, targets, temperature):
+def _fused_forward(hidden, weight, targets, temperature, workspace_bytes, tune):
     launch = lambda c: _launch_fwd(hidden, weight, targets, temperature, c)  # noqa: E731
-    part = launch(_pick("fwd", hidden, weight, launch))  # (4, S, N)
+    part = launch(_pick("fwd", hidden, weight, launch, tune))  # (4, S, N); needs no workspace
     m, s, a, zt = part.unbind(0)  # each (S, N)
     m_max = m.max(0).values  # (N,)
     scale = torch.exp(m - m_max)  # (S, N)
@@ -452,10 +446,10 @@ def _stream_cfg(hidden):
     return dict(BLOCK_N=16, BLOCK_V=512, num_warps=8)
 
 
-def _cublas_forward(hidden, weight, targets, temperature):
+def _cublas_forward(hidden, weight, targets, temperature, workspace_bytes, tune):
     """Online logsumexp / entropy / target logit over fp32 blocks of h @ W^T written by cuBLAS."""
     N, V = hidden.shape[0], weight.shape[0]
-    rows, cols = _fwd_tiles(N, V, WORKSPACE_BYTES, _align(hidden))
+    rows, cols = _fwd_tiles(N, V, workspace_bytes, _align(hidden))
     stats = torch.zeros(4, N, device=hidden.device, dtype=torch.float32)  # (4, N): m, s, a, z_t
     stats[0] = float("-inf")
     z_buf = torch.empty(rows * cols, device=hidden.device, dtype=torch.float32)
@@ -478,13 +472,13 @@ def _cublas_forward(hidden, weight, targets, temperature):
 
 
 def _backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature, need_dh, need_dw,
-              variant):
+              variant, workspace_bytes, tune):
     """dh, dW in blocks of rows (outer) x columns of V (inner); see "Memory" in the docstring."""
     N, H = hidden.shape
     V = weight.shape[0]
     fp32 = hidden.dtype == torch.float32
     elt = hidden.element_size() + (4 if variant == "cublas" else 0)  # dlogits (+ fp32 logits)
-    rows, cols = _bwd_tiles(N, V, H, elt, WORKSPACE_BYTES, _align(hidden))
+    rows, cols = _bwd_tiles(N, V, H, elt, workspace_bytes, _align(hidden))
     dh = torch.empty_like(hidden) if need_dh else None  # (N, H)
     dw = torch.empty_like(weight) if need_dw else None  # (V, H)
     dh_acc = None
@@ -526,7 +520,7 @@ def _backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature, n
                         num_warps=c["num_warps"], num_stages=c["num_stages"])
 
                 if r0 == 0 and v0 == 0:
-                    cfg = _pick("bwd", h_r, w_c, launch)
+                    cfg = _pick("bwd", h_r, w_c, launch, tune)
                 launch(cfg)
             if need_dh:  # fp32 sum over all of V, one rounding at the end of the row block
                 _mm_fp32(dl, w_c, acc, accumulate=v0 > 0)
@@ -542,16 +536,16 @@ def _backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature, n
 
 class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, variant):
+    def forward(ctx, hidden, weight, targets, temperature, variant, workspace_bytes, tune):
         hidden = hidden.contiguous()
         weight = weight.contiguous()
         targets = targets.contiguous()
         forward = _cublas_forward if variant == "cublas" else _fused_forward
-        logp, entropy, lse = forward(hidden, weight, targets, temperature)
+        logp, entropy, lse = forward(hidden, weight, targets, temperature, workspace_bytes, tune)
         valid = targets != IGNORE_INDEX  # (N,)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy, valid)
         ctx.temperature = temperature
-        ctx.variant = variant
+        ctx.variant, ctx.workspace_bytes, ctx.tune = variant, workspace_bytes, tune
         zero = logp.new_zeros(())
         return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
 
@@ -560,20 +554,29 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, entropy, valid = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dh or need_dw) or hidden.shape[0] == 0:
-            return None, None, None, None, None
+            return None, None, None, None, None, None, None
         zero = lse.new_zeros(())
         g_lp = torch.zeros_like(lse) if g_lp is None else torch.where(valid, g_lp.float(), zero)
         g_ent = torch.zeros_like(lse) if g_ent is None else torch.where(valid, g_ent.float(), zero)
         dh, dw = _backward(hidden, weight, targets, lse, entropy, g_lp.contiguous(),
-                           g_ent.contiguous(), ctx.temperature, need_dh, need_dw, ctx.variant)
-        return dh, dw, None, None, None
+                           g_ent.contiguous(), ctx.temperature, need_dh, need_dw, ctx.variant,
+                           ctx.workspace_bytes, ctx.tune)
+        return dh, dw, None, None, None, None, None
 
 
-def token_logprobs(hidden, weight, targets, temperature: float = 1.0, impl: str = "auto"):
+def token_logprobs(hidden, weight, targets, temperature: float = 1.0, impl: str = "auto",
+                   variant: str = "cublas", workspace_mb: int = 320, tune: bool = True):
     """(logp (N,), entropy (N,)) in fp32 of targets under softmax(hidden @ weight.T / temperature).
 
-    impl: "fused" (Triton, variant kernels.logprob.VARIANT), "torch" (fp32 reference, materialises
-    the logits), "auto" (fused when on CUDA with Triton importable, torch otherwise).
+    impl: "fused" (Triton), "torch" (fp32 reference, materialises the logits), "auto" (fused when on
+    CUDA with Triton importable, torch otherwise). The settings below apply to impl="fused" only:
+    variant: how the logits are computed (module docstring): "cublas" GEMMs into fp32 blocks +
+      memory-bound Triton kernels (the default, faster on the H200), or "triton" GEMM kernels with
+      fused epilogues.
+    workspace_mb: memory beyond the inputs, the saved (N,) stats and the returned dh, dW ("Memory" in
+      the module docstring): 320 MB is under 2% of the fp32 logits at N = 32k, V = 152k; a larger
+      budget rounds dW fewer times.
+    tune: time the block-config candidates once per large bf16/fp16 problem shape (False: defaults).
     """
     assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1]
     assert targets.shape == hidden.shape[:1], (targets.shape, hidden.shape)
@@ -585,9 +588,12 @@ def token_logprobs(hidden, weight, targets, temperature: float = 1.0, impl: str 
         raise ValueError(f"impl must be 'auto', 'fused' or 'torch', got {impl!r}")
     if not HAS_TRITON:
         raise RuntimeError("impl='fused' needs triton")
-    if VARIANT not in ("triton", "cublas"):
-        raise ValueError(f"LOGPROB_VARIANT must be 'triton' or 'cublas', got {VARIANT!r}")
+    if variant not in ("triton", "cublas"):
+        raise ValueError(f"variant must be 'triton' or 'cublas', got {variant!r}")
+    if workspace_mb <= 0:
+        raise ValueError(f"workspace_mb must be positive, got {workspace_mb}")
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.sum() * 0 + weight.sum() * 0
         return empty, empty.clone()
-    return _FusedTokenLogprobs.apply(hidden, weight, targets, float(temperature), VARIANT)
+    return _FusedTokenLogprobs.apply(hidden, weight, targets, float(temperature), variant,
+                                     int(workspace_mb) << 20, bool(tune))

@@ -45,17 +45,22 @@ from common.args import RunArgs, cli
 from common.attention import attn_kwargs, describe, register_varlen_attention
 from common.chat import build_examples, row_format
 from common.data import DEFAULT_INSTRUCTION, build_prompts, load_rows
+from common.determinism import set_deterministic
 from common.evaluate import evaluate, log_eval
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer
+from common.nan_guard import NanGuard
 from common.packing import pack_masked, shard_microbatches
 from common.passes import microbatch_rows
 from common.perf import perf_metrics
 from common.preference import holdout_split
+from common.progress import show_phase
 from common.rewards import load_reward_fn
 from common.rl_setup import resolve_model_once
 from common.rollout import make_engine, sync_engine
+from common.run_dir import claim_run_dir
+from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
 from common.tracking import Progress, make_tracker, print_table, timed, to_dict
 from common.vllm_engine import VLLMArgs
 
@@ -206,7 +211,7 @@ def evaluate_loss(policy, examples, ids: list[int], args: Args, d) -> dict:
 
 def main(args: Args) -> None:
     d = D.init_distributed(args.device)
-    C.set_deterministic(args.deterministic)
+    set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
     register_varlen_attention()  # makes --attn-impl varlen known to transformers
     if args.max_tokens_per_microbatch < args.max_length:
@@ -219,6 +224,7 @@ def main(args: Args) -> None:
         raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
                          "leave it unset to hold out --eval-fraction")
     run_dir = Path(args.out_dir) / args.exp_name
+    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
 
     # ---- model and optimiser --------------------------------------------------------------------------------
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF first
@@ -276,7 +282,7 @@ def main(args: Args) -> None:
     if resume_from:  # model, optimiser, LR schedule, RNG and data position, exactly as they were
         extra = C.load_checkpoint(resume_from, state)
         start, epoch, position = extra["step"], extra["data"]["epoch"], extra["data"]["position"]
-    stop, guard = C.install_stop_handler(), C.NanGuard(args.max_bad_updates, ckpt_root)
+    stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "model_path": model_path, "train_sequences": len(train),
                               "train_sequences_dropped": dropped, "eval_sequences": len(evals),
                               "eval_sequences_dropped": eval_dropped, "num_steps_resolved": num_steps,
@@ -301,6 +307,8 @@ def main(args: Args) -> None:
             flush=True)
 
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
+        show_phase(progress, at, f"evaluating on {len(eval_ids)} held-out conversations"
+                   + (f" and {len(prompts)} prompts (greedy)" if engine else ""))
         with timed(perf := {}, "eval_loss"):
             metrics = evaluate_loss(policy, examples, eval_ids, args, d) if eval_ids else {}
         if engine is not None:  # the RL scripts' evaluation, on the weights after `at` steps
@@ -313,9 +321,9 @@ def main(args: Args) -> None:
     policy.train()
     order: list[int] = []
     evaluating = args.eval_every and (eval_ids or engine is not None)
+    progress, stopping = Progress(d.is_main, num_steps, start), False
     if evaluating and start % args.eval_every == 0 and start < num_steps:
         evaluate_and_log(start)
-    progress, stopping = Progress(d.is_main, num_steps, start), False
     for step in range(start, num_steps):
         perf: dict[str, float] = {}
         t_step = time.perf_counter()
@@ -353,7 +361,7 @@ def main(args: Args) -> None:
         # ---- 5. evaluate, 6. checkpoint -----------------------------------------------------------------------
         if evaluating and (step + 1) % args.eval_every == 0 and step + 1 < num_steps:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
-        stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
+        stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == num_steps or (args.save_every and (step + 1) % args.save_every == 0):
             C.save_checkpoint(ckpt_root, step + 1, state,
                               {"step": step + 1, "data": {"epoch": epoch, "position": position}}, args.keep_last)
@@ -368,6 +376,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
+    exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

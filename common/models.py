@@ -152,10 +152,12 @@ class TokenLogProbs(nn.Module):
         super().__init__()
         self.lm, self.impl = lm, impl
 
-    def forward(self, input_ids, position_ids, targets, temperature: float = 1.0, scored=None, **attn_kwargs):
+    def forward(self, input_ids, position_ids, targets, temperature: float = 1.0, scored=None, argmax: bool = False,
+                **attn_kwargs):
         # input_ids, position_ids, targets: (1, T) packed; attention_mask=None + position_ids marks the packing.
         # scored: (N,) ascending positions whose target is not -100 (MicroBatch.pos), if the caller has them: finding
         # them here (nonzero) makes the CPU wait for the GPU.
+        # argmax: also return, per position, 1.0 where the target is the top-1 token (sft.py's token accuracy).
         base = getattr(self.lm, self.lm.base_model_prefix)
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                       **attn_kwargs).last_hidden_state  # (1, T, H)
@@ -164,4 +166,11 @@ class TokenLogProbs(nn.Module):
         sel = (flat != -100).nonzero().squeeze(1) if scored is None else scored  # only those reach the LM head
         logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
         scatter = lambda x: x.new_zeros(targets.shape).index_put((torch.zeros_like(sel), sel), x)  # (1, T)
-        return scatter(logp), scatter(entropy)
+        if not argmax:
+            return scatter(logp), scatter(entropy)
+        with torch.no_grad():  # the kernel never forms the logits: one more pass through the head, 1024 rows at a time
+            h = hidden.detach().flatten(0, 1)[sel]  # (N, H)
+            top = torch.cat([(c @ weight.detach().T.to(c.dtype)).argmax(-1) for c in h.split(1024)]) if len(sel) \
+                else flat[sel]
+            hit = (top == flat[sel]).float()  # (N,)
+        return scatter(logp), scatter(entropy), scatter(hit)

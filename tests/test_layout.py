@@ -6,7 +6,7 @@ from pathlib import Path
 from conftest import ROOT
 
 PROJECT = {"common", "kernels", "tools", "bench", "dev", "tests", "grpo", "ppo", "dpo"}
-SCRIPTS = {"grpo", "ppo", "dpo"}
+SCRIPTS = {"grpo", "ppo", "dpo", "sft"}
 ALLOWED = {  # folder (or "scripts") -> project packages its files may import
     "scripts": {"common", "kernels"},
     "tools": {"common", "kernels", "tools"},

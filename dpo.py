@@ -229,6 +229,11 @@ def main(args: Args) -> None:
     C.set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
+    for name, least in (("num_steps", 0), ("pairs_per_step", 1), ("num_epochs", 1), ("eval_size", 0),
+                        ("max_length", 1), ("max_tokens_per_microbatch", 1), ("lr", 0), ("warmup_steps", 0),
+                        ("keep_last", 1)):
+        if not getattr(args, name) >= least:  # `not >=`: NaN fails too
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
     if args.max_tokens_per_microbatch < 2 * args.max_length:
         raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one pair "
                          f"(2 x --max-length = {2 * args.max_length}): both sequences of a pair share a micro-batch")
@@ -253,15 +258,22 @@ def main(args: Args) -> None:
     ref_model = load_ref() if args.uses_reference and not args.ref_cache else None
 
     # ---- data ---------------------------------------------------------------------------------------------
-    def pairs_of(rows):
-        return build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field)
+    def pairs_of(rows, split):
+        reasons = {}
+        out = build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field,
+                          source=f"--dataset {args.dataset} ({split})", reasons=reasons)
+        if d.is_main and reasons["identical"]:
+            print(f"{split}: dropped {reasons['identical']} pairs whose chosen equals their rejected response "
+                  f"(no preference to learn)", flush=True)
+        return out
     rows = load_rows(args.dataset, args.train_split, args.dataset_config)
     if args.eval_split:
         eval_rows = load_rows(args.dataset, args.eval_split, args.dataset_config)
     else:
         rows, eval_rows = holdout_split(rows, args.eval_fraction, args.seed)
-    train, dropped = pairs_of(rows)
-    evals, eval_dropped = pairs_of(eval_rows[:args.eval_size] if args.eval_size else eval_rows)
+    train, dropped = pairs_of(rows, args.train_split)
+    evals, eval_dropped = pairs_of(eval_rows[:args.eval_size] if args.eval_size else eval_rows,
+                                   args.eval_split or "held out")
     if args.pairs_per_step > len(train):
         raise ValueError(f"--pairs-per-step {args.pairs_per_step} is more than the {len(train)} train pairs "
                          f"({dropped} dropped as longer than --max-length {args.max_length}); lower it")

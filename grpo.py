@@ -132,7 +132,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool,
     """A_i = r_i - mean of its group, divided by the group std (GRPO) or not (Dr. GRPO). rewards: (P*G,) prompt-major."""
     r = rewards.view(-1, group_size)  # (P, G)
     adv = r - r.mean(1, keepdim=True)
-    if scale_by_std:
+    if scale_by_std and group_size > 1:  # a group of one: its mean is itself, A = 0 (its std is undefined)
         adv = adv / (r.std(1, keepdim=True) + eps)  # unbiased std, as in the GRPO reference code
     return adv.flatten()
 
@@ -144,7 +144,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
-    return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+    if estimator == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3 (--kl-estimator)")
 
 
 def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: float):
@@ -160,11 +162,15 @@ def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: flo
 def loss_normaliser(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> float:
     """The denominator of the loss, computed once over the WHOLE mini-batch (all micro-batches, all ranks), so the
     gradient does not depend on how the mini-batch is split. mask: (B, T) response tokens in the loss."""
+    n_seq = int(mask.any(1).sum())  # sequences with a token in the loss (--overlong mask empties some)
     if loss_agg == "token-mean":
         return float(mask.sum().clamp(min=1))
     if loss_agg == "seq-mean-token-sum":
-        return float(mask.shape[0] * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
-    return float(mask.shape[0])  # seq-mean-token-mean: each sequence first averaged over its own tokens
+        return float(max(1, n_seq) * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
+    if loss_agg == "seq-mean-token-mean":
+        return float(max(1, n_seq))  # each sequence first averaged over its own tokens
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
+                     "seq-mean-token-mean (--loss-agg)")
 
 
 def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, normaliser: float) -> torch.Tensor:
@@ -172,7 +178,10 @@ def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, no
     if loss_agg == "seq-mean-token-mean":
         per_seq = (loss_tok * mask).sum(1) / mask.sum(1).clamp(min=1)
         return per_seq.sum() / normaliser
-    return (loss_tok * mask).sum() / normaliser
+    if loss_agg in ("token-mean", "seq-mean-token-sum"):
+        return (loss_tok * mask).sum() / normaliser
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
+                     "seq-mean-token-mean (--loss-agg)")
 
 
 def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -181,11 +190,13 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tenso
     return (r.max(1).values > r.min(1).values).repeat_interleave(group_size)
 
 
-def policy_loss(logp, entropy, mask, adv, old_logp, ref_logp, engine_logp, args: Args, normaliser: float):
+def policy_loss(logp, entropy, mask, adv, old_logp, ref_logp, engine_logp, args: Args, normaliser: float,
+                engine_mask=None):
     """One micro-batch's share of the GRPO loss, and its summed statistics. All (b, T) except adv (b,).
-    ref_logp is None when kl_coef == 0; engine_logp is 0 where the engine gave no log-probs."""
+    ref_logp is None when kl_coef == 0; engine_mask (bool) marks the tokens the engine gave a log-prob for (None:
+    all). A mask, not engine_logp != 0: a token of probability 1 has log-prob exactly 0."""
     loss_tok, clipped = clipped_pg_loss(logp, old_logp, adv, args.clip_eps_low, args.clip_eps_high)  # (b, T)
-    has_engine_logp = engine_logp.ne(0)
+    has_engine_logp = torch.ones_like(mask, dtype=torch.bool) if engine_mask is None else engine_mask
     stats = {}
     if args.tis_cap > 0:  # truncated IS: the engine sampled from a slightly different pi than the trainer computes
         w = torch.exp(old_logp - engine_logp).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
@@ -219,10 +230,11 @@ def lr_lambda(step: int, warmup_steps: int, num_steps: int, schedule: str) -> fl
 
 # ---- the update (tests/grad_split_driver.py drives it) ------------------------------------------------------
 def learn_minibatch(policy, plan, batch: RolloutBatch, rows: list[int], mask, adv, old_logp, ref_logp, engine_logp,
-                    args: Args, d, stats: dict) -> torch.Tensor:
+                    engine_mask, args: Args, d, stats: dict) -> torch.Tensor:
     """Forward and backward of one mini-batch (`rows` of the gathered batch; this rank packs its balanced share into
     micro-batches), leaving its gradient in the policy's .grad; returns this rank's share of the loss and adds the
-    summed statistics into `stats`. mask, old_logp, ref_logp, engine_logp: (B, T) on the device; adv: (B,)."""
+    summed statistics into `stats`. mask, old_logp, ref_logp, engine_logp, engine_mask: (B, T) on the device; adv:
+    (B,)."""
     normaliser = loss_normaliser(mask[rows], args.loss_agg, args.max_new_tokens)  # the WHOLE mini-batch's
     mb_loss = torch.zeros((), device=d.device)  # for the non-finite guard
     for mb in microbatches([(policy, plan)], batch.prompt_ids, batch.response_ids, rows, d.world_size, d.rank,
@@ -233,7 +245,8 @@ def learn_minibatch(policy, plan, batch: RolloutBatch, rows: list[int], mask, ad
         i = mb.index  # (b,) this micro-batch's rows (none in a padding micro-batch: a zero loss, same FSDP calls)
         loss, mb_stats = policy_loss(logp, entropy, mask[i], adv[i],
                                      old_logp[i] if old_logp is not None else logp.detach(),
-                                     ref_logp[i] if ref_logp is not None else None, engine_logp[i], args, normaliser)
+                                     ref_logp[i] if ref_logp is not None else None, engine_logp[i], args, normaliser,
+                                     engine_mask[i])
         loss.backward()  # this rank's share of the mini-batch loss: shard() sums the gradients over ranks
         mb_loss += loss.detach()
         for k, v in mb_stats.items():
@@ -248,6 +261,11 @@ def main(args: Args) -> None:
     register_varlen_attention()  # makes --attn-impl varlen known to transformers
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 2 * d.world_size
+    if args.group_size < 2:  # the mean of a group of one is its own reward: every advantage would be 0
+        raise ValueError(f"--group-size {args.group_size}: GRPO's baseline is the group mean, so a group of one has "
+                         f"advantage 0 (and with --scale-by-std an undefined std); use --group-size 2 or more")
+    if args.kl_estimator not in ("k1", "k2", "k3"):
+        raise ValueError(f"--kl-estimator {args.kl_estimator!r}: use k1, k2 or k3")
     check_geometry(args, d.world_size)
     run_dir = Path(args.out_dir) / args.exp_name
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
@@ -345,7 +363,8 @@ def main(args: Args) -> None:
             mask[batch.truncated] = 0
         keep = dynamic_sampling_keep(batch.rewards, G) if args.dynamic_sampling else torch.ones(B, dtype=torch.bool)
         rows = keep.nonzero().flatten().tolist()  # the sequences learned on
-        mask, adv, engine_logp = mask.to(d.device), adv.to(d.device), batch.engine_logp.to(d.device)
+        mask, adv, engine_logp, engine_mask = (x.to(d.device) for x in (mask, adv, batch.engine_logp,
+                                                                         batch.engine_mask))
 
         # ---- 4. learn -----------------------------------------------------------------------------------------
         policy.train()
@@ -371,7 +390,7 @@ def main(args: Args) -> None:
                     if not minibatch:
                         continue
                     loss = learn_minibatch(policy, plan, batch, minibatch, mask, adv, old_logp, ref_logp,
-                                           engine_logp, args, d, stats)
+                                           engine_logp, engine_mask, args, d, stats)
                     grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
                     if guard.check(grad_norms[-1], float(loss), step):  # non-finite: skip the update, stop after k
                         optimizer.step()
@@ -395,7 +414,7 @@ def main(args: Args) -> None:
             **({"train/kl": float(stats["kl"]) / ntok} if ref is not None else {}),
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
             **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) / ntok,
-                "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_logp.any() else {}),
+                "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_mask.any() else {}),
         } | perf_metrics(perf, t_step, lm.config, batch.lengths, batch.response_len.tolist(), rows,
                          {"ref_logp": (1, False), "old_logp": (1, False), "update": (args.num_epochs, True)},
                          d.world_size, args.peak_flops, d.device)

@@ -183,9 +183,16 @@ def clipped_value_loss(values, old_values, returns, vf_clip: float):
     unclipped = (values - returns) ** 2
     if vf_clip <= 0:
         return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
-    v_clip = old_values + (values - old_values).clamp(-vf_clip, vf_clip)
+    # inside the range V itself: old + (V - old) can differ from V by a rounding error and win the max
+    outside = (values - old_values).abs() > vf_clip
+    v_clip = torch.where(outside, old_values + (values - old_values).clamp(-vf_clip, vf_clip), values)
     clipped = (v_clip - returns) ** 2
-    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped)
+    return 0.5 * torch.maximum(unclipped, clipped), outside & (clipped > unclipped)
+
+
+def approx_kl(logp, old_logp):
+    """Per-token k3 estimate of KL(pi_old || pi) from tokens sampled from pi_old: r - 1 - log r, r = pi / pi_old."""
+    return kl_penalty(old_logp, logp, "k3")
 
 
 def update_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: int, n_steps: int) -> float:
@@ -213,7 +220,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
-    return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+    if estimator == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3 (--kl-estimator)")
 
 
 # Same as grpo.py:clipped_pg_loss
@@ -231,11 +240,15 @@ def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: flo
 def loss_normaliser(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> float:
     """The denominator of the loss, computed once over the WHOLE mini-batch (all micro-batches, all ranks), so the
     gradient does not depend on how the mini-batch is split. mask: (B, T) response tokens in the loss."""
+    n_seq = int(mask.any(1).sum())  # sequences with a token in the loss (--overlong mask empties some)
     if loss_agg == "token-mean":
         return float(mask.sum().clamp(min=1))
     if loss_agg == "seq-mean-token-sum":
-        return float(mask.shape[0] * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
-    return float(mask.shape[0])  # seq-mean-token-mean: each sequence first averaged over its own tokens
+        return float(max(1, n_seq) * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
+    if loss_agg == "seq-mean-token-mean":
+        return float(max(1, n_seq))  # each sequence first averaged over its own tokens
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
+                     "seq-mean-token-mean (--loss-agg)")
 
 
 # Same as grpo.py:aggregate_loss
@@ -244,7 +257,10 @@ def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, no
     if loss_agg == "seq-mean-token-mean":
         per_seq = (loss_tok * mask).sum(1) / mask.sum(1).clamp(min=1)
         return per_seq.sum() / normaliser
-    return (loss_tok * mask).sum() / normaliser
+    if loss_agg in ("token-mean", "seq-mean-token-sum"):
+        return (loss_tok * mask).sum() / normaliser
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
+                     "seq-mean-token-mean (--loss-agg)")
 
 
 # Same as grpo.py:lr_lambda
@@ -274,14 +290,17 @@ class ValueModel(nn.Module):
     def forward(self, input_ids, position_ids, **attn_kwargs):
         hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                **attn_kwargs).last_hidden_state  # (1, T, H)
-        return self.head(hidden).squeeze(-1).float()  # (1, T)
+        # a new tensor, not head(hidden).squeeze(-1) (a view): FSDP2 warns that an in-place op on a view returned
+        # by a sharded module would skip its pre-backward all-gather (tests/test_defects_ppo.py checks the gradients)
+        return (hidden @ self.head.weight[0] + self.head.bias[0]).float()  # (1, T)
 
 
 
 
 # ---- the update -------------------------------------------------------------------------------------------
 def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int], mask, adv, returns, old_logp,
-                    old_values, engine_logp, train_policy: bool, epoch: int, args: Args, d, stats: dict) -> torch.Tensor:
+                    old_values, engine_logp, engine_mask, train_policy: bool, epoch: int, args: Args, d,
+                    stats: dict) -> torch.Tensor:
     """Forward and backward of one mini-batch for the policy and the critic (`rows` of the gathered batch; this rank
     packs its balanced share into micro-batches), leaving both gradients in .grad; returns this rank's share of
     the loss and adds the summed statistics into `stats`. All tensors on the device: (B, T), except rows."""
@@ -298,7 +317,7 @@ def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int],
         # per-token advantages: every token is a row of one for the surrogate shared with grpo.py
         loss_tok, clipped = (x.view_as(m) for x in clipped_pg_loss(
             logp.reshape(-1, 1), old.reshape(-1, 1), adv[i].flatten(), args.clip_eps_low, args.clip_eps_high))
-        has_engine_logp = engine_logp[i].ne(0)
+        has_engine_logp = engine_mask[i]  # not engine_logp != 0: log 1 = 0 is a log-prob
         if args.tis_cap > 0:  # truncated IS: correct for the engine sampling from a slightly other pi
             w = torch.exp(old - engine_logp[i]).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
             loss_tok = loss_tok * w
@@ -313,7 +332,7 @@ def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int],
         mb_loss += (pg_loss + vf_loss).detach()
         with torch.no_grad():  # sums over this micro-batch's tokens
             for k, x in (("pg_loss", loss_tok), ("vf_loss", vf_tok), ("entropy", entropy), ("clip_frac", clipped),
-                         ("vf_clip_frac", vf_clipped), ("approx_kl", kl_penalty(logp, old, "k3")),  # KL(pi_old||pi)
+                         ("vf_clip_frac", vf_clipped), ("approx_kl", approx_kl(logp, old)),  # KL(pi_old || pi)
                          ("tokens", torch.ones_like(m))):
                 stats[k] += (x.float() * m).sum()
             if epoch == 0:  # vLLM-vs-trainer log-prob gap on the sampled tokens, before any update
@@ -330,7 +349,7 @@ def main(args: Args) -> None:
     register_varlen_attention()  # makes --attn-impl varlen known to transformers
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 16 * d.world_size
-    check_geometry(args, d.world_size)
+    check_geometry(args, d.world_size, (("samples_per_prompt", 1), ("critic_lr", 0), ("critic_warmup_steps", 0)))
     if args.kl_target > 0 and args.kl_coef <= 0:
         raise ValueError("--kl-target needs a starting --kl-coef > 0 (the controller scales it; 0 stays 0)")
     run_dir = Path(args.out_dir) / args.exp_name
@@ -430,7 +449,8 @@ def main(args: Args) -> None:
             batch = gather_rollout(part)  # the update balances sequences across ranks; normalisers are global
         perf["generate_slowest_s"] = batch.generate_s  # the rank every other one waits for
         B, rows = len(batch.response_ids), list(range(len(batch.response_ids)))
-        mask, engine_logp = batch.response_mask(width).to(d.device), batch.engine_logp.to(d.device)  # (B, T)
+        mask, engine_logp, engine_mask = (x.to(d.device) for x in (batch.response_mask(width), batch.engine_logp,
+                                                                   batch.engine_mask))  # (B, T)
         rewards, truncated = batch.rewards.to(d.device), batch.truncated.to(d.device)  # (B,)
 
         # ---- 3. advantages: old log-probs, reference log-probs and old values, all before the first update ------
@@ -467,8 +487,8 @@ def main(args: Args) -> None:
                     if not minibatch:
                         continue
                     loss = learn_minibatch(policy, critic, (plan, critic_plan), batch, minibatch, mask, adv,
-                                           returns, old_logp, old_values, engine_logp, train_policy, epoch, args, d,
-                                           stats)
+                                           returns, old_logp, old_values, engine_logp, engine_mask, train_policy,
+                                           epoch, args, d, stats)
                     critic_grad_norms.append(clip_grad_norm(critic, args.max_grad_norm))
                     grad_norms.append(clip_grad_norm(policy, args.max_grad_norm) if train_policy else 0.0)
                     if guard.check(grad_norms[-1] + critic_grad_norms[-1], float(loss), step):  # non-finite: skip
@@ -508,7 +528,7 @@ def main(args: Args) -> None:
                 "train/kl_seq": float(kl_tok.sum(1).mean())} if ref is not None else {}),
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
             **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) * args.num_epochs / ntok,  # epoch 0's tokens
-                "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_logp.any() else {}),
+                "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_mask.any() else {}),
         } | perf_metrics(perf, t_step, lm.config, batch.lengths, batch.response_len.tolist(), rows,
                          {"ref_logp": (1, False), "old_logp": (1, False), "old_values": (1, False),
                           "update": (2 * args.num_epochs, True)}, d.world_size, args.peak_flops, d.device)

@@ -24,7 +24,8 @@ def evaluate(engine, examples, sampling: dict, reward_fn, tok, reward_timeout: f
         if name == "accuracy":
             fmt = D.all_reduce(sum(format_reward(p, t, a) for p, t, a in zip(prompts, texts, answers)))
             metrics["eval/format"] = float(fmt / count.clamp(min=1))
-            metrics["eval/response_len"] = float(D.all_reduce(sum(map(len, rollout.response_ids))) / count)
+            n_tok = D.all_reduce(sum(map(len, rollout.response_ids)))
+            metrics["eval/response_len"] = float(n_tok / count.clamp(min=1))
     return metrics | {"perf/eval_s": time.perf_counter() - t0}
 
 

@@ -84,6 +84,11 @@ def resolve_model(spec: str) -> str:
 
 def load_tokenizer(path: str):
     tok = AutoTokenizer.from_pretrained(path)
+    # GGUF conversions write clean_up_tokenization_spaces=True; transformers ignores it for a BPE tokenizer (it would
+    # strip spaces before punctuation) and warns once per process on the first decode. False: same text, no warning.
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        tok.clean_up_tokenization_spaces = False
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -95,23 +95,36 @@ def render_pair(row: dict, tok, prompt_field: str = "prompt", chosen_field: str 
 
 
 def build_pairs(rows: list[dict], tok, max_length: int, prompt_field: str = "prompt", chosen_field: str = "chosen",
-                rejected_field: str = "rejected") -> tuple[list[Pair], int]:
+                rejected_field: str = "rejected", source: str = "the dataset",
+                reasons: dict | None = None) -> tuple[list[Pair], int]:
     """Rows -> (pairs, number dropped). A pair is dropped when prompt + the longer response exceeds max_length
-    tokens, or a response is empty."""
-    if rows:
-        for f, flag in ((chosen_field, "--chosen-field"), (rejected_field, "--rejected-field")):
-            if f not in rows[0]:
-                raise ValueError(f"field {f!r} is not in the rows, which have {sorted(rows[0])}; pass {flag}")
-    pairs = []
-    for row in rows:
-        prompt, chosen, rejected, templated = render_pair(row, tok, prompt_field, chosen_field, rejected_field)
+    tokens, a response is empty, or chosen and rejected are the same tokens (no preference: zero gradient).
+    reasons, if given, receives the count per reason (too_long, empty, identical). source names the rows in errors."""
+    flags = {prompt_field: "--prompt-field", chosen_field: "--chosen-field", rejected_field: "--rejected-field"}
+    pairs, counts = [], {"too_long": 0, "empty": 0, "identical": 0}
+    for i, row in enumerate(rows):
+        for f in (chosen_field, rejected_field) + ((prompt_field,) if prompt_field in rows[0] else ()):
+            if f not in row:
+                raise ValueError(f"{source}, row {i} (0-based): no field {f!r}; the row has {sorted(row)}. Fix the "
+                                 f"row, or pass {flags[f]} if the field has another name")
+        try:
+            prompt, chosen, rejected, templated = render_pair(row, tok, prompt_field, chosen_field, rejected_field)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{source}, row {i} (0-based): {e} (fields {sorted(row)}; --prompt-field "
+                             f"{prompt_field}, --chosen-field {chosen_field}, --rejected-field {rejected_field})"
+                             ) from None
         p = tok(prompt, add_special_tokens=not templated)["input_ids"]
         c, r = (tok(x, add_special_tokens=False)["input_ids"] for x in (chosen, rejected))
         if not templated and tok.eos_token_id is not None:  # plain text responses end with EOS (as TRL does)
             c, r = ([*x, tok.eos_token_id] if x[-1:] != [tok.eos_token_id] else x for x in (c, r))
-        if not (chosen.strip() and rejected.strip()) or len(p) + max(len(c), len(r)) > max_length:
+        reason = ("empty" if not (chosen.strip() and rejected.strip()) else
+                  "too_long" if len(p) + max(len(c), len(r)) > max_length else "identical" if c == r else None)
+        if reason:
+            counts[reason] += 1
             continue
         pairs.append(Pair(list(p), list(c), list(r)))
+    if reasons is not None:
+        reasons.update(counts)
     return pairs, len(rows) - len(pairs)
 
 

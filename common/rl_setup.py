@@ -10,9 +10,19 @@ from common.data import build_prompts, load_rows
 from common.models import resolve_model
 
 
-def check_geometry(args, world_size: int) -> None:
+SIZES = (("num_steps", 0), ("prompts_per_step", 1), ("eval_size", 0), ("eval_n", 0), ("max_prompt_tokens", 1),
+         ("max_new_tokens", 1), ("num_minibatches", 1), ("num_epochs", 1), ("max_tokens_per_microbatch", 1),
+         ("max_tokens_per_forward", 0), ("lr", 0), ("warmup_steps", 0), ("keep_last", 1))  # (flag, least value)
+
+
+def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
     """The batch geometry of grpo.py / ppo.py `args`, checked before anything expensive; each error names the flag
-    to change."""
+    to change. sizes: the script's own (field, least value) pairs, checked with SIZES."""
+    for name, least in SIZES + tuple(sizes):
+        if not getattr(args, name) >= least:  # `not >=`: NaN fails too
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
+    if args.loss_agg not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        raise ValueError(f"--loss-agg {args.loss_agg!r}: use token-mean, seq-mean-token-sum or seq-mean-token-mean")
     if args.prompts_per_step % world_size:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
                          f"({world_size}): each rank generates for its share of the prompts")

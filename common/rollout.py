@@ -32,6 +32,7 @@ class RolloutBatch:
     correct: torch.Tensor                # (B,) bool, the task reward alone > 0
     truncated: torch.Tensor              # (B,) bool, stopped by --max-new-tokens
     engine_logp: torch.Tensor            # (B, T) the engine's sampling log-probs, 0 where it gave none
+    engine_mask: torch.Tensor            # (B, T) bool, where it gave one (a log-prob of exactly 0 is one)
     ref_logp: torch.Tensor | None        # (B, T) a replicated reference's, scored before the gather; else None
     n_errors: int                        # reward calls that raised (summed over ranks by the gather)
     n_timeouts: int                      # reward calls that timed out (summed)
@@ -98,7 +99,7 @@ def score_rollout(rollout: Rollout, examples, reward_fn, tok, reward_timeout: fl
     samples table); reward errors and timeouts are counted in it and the first error is printed."""
     n = len(rollout.response_ids) // max(1, len(examples))
     with timed(perf, "score"):
-        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True) if examples else []  # [] -> ['']
         prompts = [e.prompt_text for e in examples for _ in range(n)]
         answers = [e.answer for e in examples for _ in range(n)]
         res = score(reward_fn, prompts, texts, answers, timeout_s=reward_timeout)
@@ -111,8 +112,9 @@ def score_rollout(rollout: Rollout, examples, reward_fn, tok, reward_timeout: fl
         rewards += format_coef * torch.tensor([format_reward(p, t, a) for p, t, a in zip(prompts, texts, answers)])
     part = RolloutBatch(rollout.prompt_ids, rollout.response_ids, rewards, correct,
                         torch.tensor([f == "length" for f in rollout.finish_reasons]),  # truncated
-                        padded(rollout.logprobs or [[]] * len(texts), width), None, res.n_errors, res.n_timeouts,
-                        perf.get("generate_s", 0.0))
+                        padded(engine_rows := rollout.logprobs or [[]] * len(texts), width),
+                        padded([[1.0] * len(lp) for lp in engine_rows], width).bool(), None, res.n_errors,
+                        res.n_timeouts, perf.get("generate_s", 0.0))
     return part, texts, prompts, answers
 
 
@@ -180,6 +182,8 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompt_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, seed=0,
                  stop_token_ids=None, ignore_eos=False, logprobs=True) -> Rollout:
+        if not prompt_ids:  # a rank with no prompts (e.g. fewer --eval-size prompts than ranks)
+            return Rollout([], [], [] if logprobs else None, [])
         stops = list(stop_token_ids or self.eos)
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad, dtype=torch.long)

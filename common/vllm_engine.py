@@ -398,7 +398,8 @@ class VLLMEngine:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params,
+                                        use_tqdm=False) if requests else []  # a rank with no prompts
             rollout = to_rollout(outputs)
             del outputs
         finally:

@@ -34,7 +34,7 @@ engine_logp = (-torch.rand(B, width, generator=g, dtype=torch.float64) * 8) * ma
 args = grpo.Args(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, loss_agg=loss_agg, max_new_tokens=width,
                  max_tokens_per_microbatch=budget, logprob_impl="torch")
 batch = RolloutBatch(prompts, responses, torch.zeros(B), torch.zeros(B, dtype=torch.bool),
-                     torch.zeros(B, dtype=torch.bool), engine_logp, None, 0, 0, 0.0)
+                     torch.zeros(B, dtype=torch.bool), engine_logp, mask.bool(), None, 0, 0, 0.0)
 
 # float64 everywhere but the LM head (the reference kernel computes in fp32), so summation order barely matters
 fsdp = FSDPArgs(param_dtype="float64", reduce_dtype="float64", keep_gathered=keep, unit=unit)
@@ -46,7 +46,7 @@ policy.register_forward_pre_hook(  # prepended: before FSDP2's own hook gathers 
     lambda *_: sharded_before.append(all(isinstance(p, DTensor) for p in policy.parameters())), prepend=True)
 stats = {k: torch.zeros((), dtype=torch.float64) for k in
          ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "gap_max", "tis_w")}
-grpo.learn_minibatch(policy, plan, batch, rows, mask, adv, None, ref_logp, engine_logp, args, d, stats)
+grpo.learn_minibatch(policy, plan, batch, rows, mask, adv, None, ref_logp, engine_logp, mask.bool(), args, d, stats)
 grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
          for n, p in policy.named_parameters()}
 if d.is_main:

@@ -15,7 +15,8 @@ def batch(n_rank: int, offset: int, width: int = 4) -> RolloutBatch:
     responses = [[7] * (1 + (offset + i) % width) for i in range(n_rank)]
     return RolloutBatch([[1, 2]] * n_rank, responses, torch.arange(n_rank, dtype=torch.float32) + offset,
                         torch.ones(n_rank, dtype=torch.bool), torch.zeros(n_rank, dtype=torch.bool),
-                        padded([[-0.5] * len(r) for r in responses], width), None, 1, 0, 2.0 + offset)
+                        padded([[-0.5] * len(r) for r in responses], width),
+                        padded([[1.0] * len(r) for r in responses], width).bool(), None, 1, 0, 2.0 + offset)
 
 
 def test_padded():
@@ -38,6 +39,7 @@ def test_gather_merges_by_field(monkeypatch):
     assert len(g.response_ids) == 5 and g.response_ids[2:] == parts[1].response_ids
     assert g.rewards.tolist() == [0, 1, 10, 11, 12]
     assert g.engine_logp.shape == (5, 4) and g.ref_logp is None
+    assert torch.equal(g.engine_mask, g.engine_logp.ne(0))
     assert (g.n_errors, g.n_timeouts, g.generate_s) == (2, 0, 12.0)
     m = rollout_metrics(g)
     assert float(m["reward/mean"]) == pytest.approx(6.8) and m["reward/errors"] == 2

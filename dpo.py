@@ -244,6 +244,7 @@ def main(args: Args) -> None:
         raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
                          "leave it unset to hold out --eval-fraction")
     run_dir = Path(args.out_dir) / args.exp_name
+    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
 
     # ---- models and optimiser ------------------------------------------------------------------------------
     model_path = resolve_model(args.model) if d.is_main else None  # rank 0 converts a GGUF once
@@ -419,6 +420,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
+    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

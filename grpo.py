@@ -268,6 +268,7 @@ def main(args: Args) -> None:
         raise ValueError(f"--kl-estimator {args.kl_estimator!r}: use k1, k2 or k3")
     check_geometry(args, d.world_size)
     run_dir = Path(args.out_dir) / args.exp_name
+    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
@@ -443,6 +444,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
+    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

@@ -353,6 +353,7 @@ def main(args: Args) -> None:
     if args.kl_target > 0 and args.kl_coef <= 0:
         raise ValueError("--kl-target needs a starting --kl-coef > 0 (the controller scales it; 0 stays 0)")
     run_dir = Path(args.out_dir) / args.exp_name
+    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
@@ -559,6 +560,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
+    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ class RunArgs:
     """complete checkpoints kept on disk"""
     resume: str = ""
     """'latest' (the newest complete checkpoint of this run folder, if any) or a checkpoint folder"""
+    overwrite: bool = False
+    """start fresh in a run folder that holds an earlier run (deletes its checkpoints); without it that is refused"""
     export_hf: str = ""
     """write the final policy as an HF folder (safetensors + config + tokenizer) here"""
     deterministic: bool = False

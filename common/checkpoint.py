@@ -15,6 +15,8 @@ Layout and failure behaviour: docs/checkpoints.md. Standalone export:
     python -m common.checkpoint export --checkpoint runs_out/grpo/checkpoints/step_000010 --model <orig> --out DIR
 """
 import argparse
+import atexit
+import errno
 import json
 import math
 import os
@@ -23,6 +25,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -88,20 +91,111 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
 
 def resolve_resume(arg: str, ckpt_root: Path) -> Path | None:
     """--resume: "" (start fresh), "latest" (newest complete checkpoint under ckpt_root; None when there is none),
-    or an explicit checkpoint folder, which must carry the COMPLETE marker."""
-    if not arg:
-        return None
+    or an explicit checkpoint folder, which must carry the COMPLETE marker. Rank 0 prints which it is."""
+    path = None
     if arg == "latest":
-        return latest_checkpoint(ckpt_root)
-    path = Path(arg).expanduser()
-    if not path.is_dir():
+        path = latest_checkpoint(ckpt_root)
+    elif arg:
+        path = Path(arg).expanduser()
         have = ", ".join(p.name for p in complete_checkpoints(ckpt_root)) or "none"
-        raise CheckpointError(f"--resume {arg}: no such checkpoint folder (complete checkpoints under {ckpt_root}: "
-                              f"{have})")
-    if not (path / COMPLETE).is_file() or path.name.startswith(".tmp-"):  # .tmp-: never renamed into place
-        raise CheckpointError(f"--resume {arg}: the checkpoint is incomplete (no {COMPLETE} marker: the run was "
-                              f"killed while writing it); use --resume latest or another checkpoint")
+        if not path.exists():
+            raise CheckpointError(f"--resume {arg}: no such path (complete checkpoints under {ckpt_root}: {have}); "
+                                  "pass a step_NNNNNN folder or 'latest'")
+        if not path.is_dir():
+            raise CheckpointError(f"--resume {arg}: a file, not a checkpoint folder; pass a step_NNNNNN folder")
+        if not STEP_RE.match(path.name.removeprefix(".tmp-")):  # a run folder or a checkpoints/ folder
+            inside = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
+            what = "a run folder" if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").exists() \
+                else "a folder of checkpoints" if inside else "not a checkpoint folder (no step_NNNNNN name)"
+            hint = f"its newest complete checkpoint is {inside[-1]}" if inside else "it has no complete checkpoint"
+            raise CheckpointError(f"--resume {arg}: {what}, not a checkpoint; {hint} (or pass --resume latest to "
+                                  f"take the newest of this run)")
+        if not (path / COMPLETE).is_file() or path.name.startswith(".tmp-"):  # .tmp-: never renamed into place
+            raise CheckpointError(f"--resume {arg}: the checkpoint is incomplete (no {COMPLETE} marker: the run was "
+                                  f"killed while writing it); use --resume latest or another checkpoint")
+    if path is None and _rank_world()[0] == 0:
+        print(f"no checkpoint{' under ' + str(ckpt_root) if arg else ''}, starting fresh", flush=True)
     return path
+
+
+# ---------------------------------------------------------------------------- the run folder: one run at a time
+LOCK = "run.lock"
+STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: a run stopped by a signal (checkpoint written) is not a finished one
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _lock_run_dir(run_dir: Path) -> str:
+    """Create run_dir/run.lock naming this process (host, pid, start time); "" or an error. A lock of a dead pid on
+    this host is taken over with a message; a live one, or one from another host, is refused."""
+    lock = run_dir / LOCK
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "start": time.strftime("%Y-%m-%d %H:%M:%S"),
+          "argv": sys.argv}
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                held = json.loads(lock.read_text())
+            except (OSError, ValueError):
+                held = {}
+            if held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"]):
+                print(f"{lock}: taking over the stale lock of pid {held['pid']} (started {held.get('start')}), "
+                      "which is no longer running", flush=True)
+                lock.unlink(missing_ok=True)
+                continue
+            return (f"{run_dir} is in use by another run: {lock} names host {held.get('host', '?')}, pid "
+                    f"{held.get('pid', '?')}, started {held.get('start', '?')}; wait for it, stop it, or pick "
+                    f"another --exp-name / --out-dir (delete {lock} only if that run is gone)")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(me))
+        atexit.register(_unlock, lock, os.getpid())
+        return ""
+    return f"{lock}: could not take the lock; remove it if no run uses {run_dir}"
+
+
+def _unlock(lock: Path, pid: int) -> None:
+    try:
+        if json.loads(lock.read_text()).get("pid") == pid and pid == os.getpid():
+            lock.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def claim_run_dir(run_dir: Path, resume: str, overwrite: bool) -> None:
+    """Lock the run folder for this run and refuse to start fresh over an earlier run's metrics or checkpoints
+    unless --resume or --overwrite (which deletes its checkpoints) is given. A collective: rank 0 checks, every
+    rank raises the same error. The lock is released when the process exits."""
+    error = ""
+    if _rank_world()[0] == 0:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        error = _lock_run_dir(run_dir)
+        if not error and not resume:
+            metrics, ckpts = run_dir / "metrics.jsonl", run_dir / "checkpoints"
+            rows = sum(1 for _ in open(metrics)) if metrics.is_file() else 0
+            steps = sorted(p.name for p in ckpts.glob("*step_*")) if ckpts.is_dir() else []
+            if (rows or steps) and not overwrite:
+                there = ", ".join(([f"metrics.jsonl with {rows} rows"] if rows else []) +
+                                  ([f"checkpoints {', '.join(steps)}"] if steps else []))
+                error = (f"{run_dir} already holds a run ({there}): pass --resume latest to continue it, --overwrite "
+                         "to delete it and start fresh, or another --exp-name / --out-dir")
+                _unlock(run_dir / LOCK, os.getpid())
+            elif overwrite and (rows or steps):
+                print(f"--overwrite: deleting the earlier run's checkpoints in {run_dir} ({len(steps)} folders); "
+                      "its metrics.jsonl and samples.jsonl start over", flush=True)
+                shutil.rmtree(ckpts, ignore_errors=True)
+    error = D.broadcast_object(error)
+    if error:
+        raise CheckpointError(error)
 
 
 # ---------------------------------------------------------------------------- what goes into a checkpoint
@@ -215,13 +309,40 @@ def save_checkpoint(ckpt_root: Path, step: int, state: dict, extra: dict | None 
             error = f"rank 0: {type(e).__name__}: {e}"
     error = D.broadcast_object(error)
     if error:
+        size = float(D.all_reduce(float(_state_bytes(state))))  # every rank's shards: the checkpoint's size
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             intact = (f"the previous checkpoint {previous.name} is intact" if previous is not None
                       else "there is no earlier checkpoint")
-        intact = D.broadcast_object(intact if rank == 0 else None)
+            free = shutil.disk_usage(root).free
+            if _no_space(error) or free < size:  # torch.save on a full disk says "unexpected pos 704 vs 598"
+                error = (f"no space left on the device of {root}: {_size(free)} free, the checkpoint needs about "
+                         f"{_size(size)}; free some space (or lower --keep-last) and resume ({error})")
+        error, intact = D.broadcast_object((error, intact) if rank == 0 else None)
         raise CheckpointError(f"checkpoint at step {step} failed: {error}; {intact}")
     return final
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _no_space(error: str) -> bool:
+    return any(m in error for m in ("No space left", f"Errno {errno.ENOSPC}", "unexpected pos"))
+
+
+def _state_bytes(state: dict) -> int:
+    """This rank's bytes of the tensors in `state` (local shards of DTensors), as DCP writes them."""
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            t = x.to_local() if hasattr(x, "to_local") else x
+            return t.numel() * t.element_size()
+        if isinstance(x, dict):
+            return sum(walk(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(walk(v) for v in x)
+        return 0
+    return walk(_dcp_state(state))
 
 
 def _prune(root: Path, keep_last: int, just_saved: Path) -> None:
@@ -261,14 +382,18 @@ def load_checkpoint(path: Path, state: dict, restore_rng: bool = True) -> dict:
             warnings.warn(f"{path} was saved by {manifest['world_size']} ranks, this run has {world}: model and "
                           "optimiser were resharded, but the per-rank RNG states are not restored, so the run "
                           "continues from the seed's RNG and is not bit-identical to an uninterrupted one")
-    return json.loads((path / "extra.json").read_text())
+    extra = json.loads((path / "extra.json").read_text())
+    if rank == 0:
+        print(f"resumed from {path} at step {extra['step']}", flush=True)
+    return extra
 
 
 # ---------------------------------------------------------------------------- clean stops, determinism, NaNs
 
 
 class StopFlag:
-    requested: bool = False
+    requested: bool = False  # a signal reached this rank
+    stopped: bool = False  # stop_agreed() returned True: every rank stops after this step
 
 
 def install_stop_handler() -> StopFlag:
@@ -292,7 +417,17 @@ def install_stop_handler() -> StopFlag:
 
 def stop_agreed(flag: StopFlag) -> bool:
     """True on every rank when any rank was asked to stop (an all-reduce max: call it on every rank, every step)."""
-    return bool(D.all_reduce(float(flag.requested), op="max") > 0)
+    flag.stopped = bool(D.all_reduce(float(flag.requested), op="max") > 0)
+    return flag.stopped
+
+
+def exit_if_stopped(flag: StopFlag) -> None:
+    """At the very end of main: a run stopped by a signal exits with STOPPED_EXIT_CODE (143 = 128 + SIGTERM), so a
+    scheduler can tell a pre-empted run (checkpoint written, resume it) from a finished one (exit 0)."""
+    if flag.stopped:
+        print(f"[rank {_rank_world()[0]}] exiting with code {STOPPED_EXIT_CODE} (stopped by a signal, not finished)",
+              flush=True)
+        sys.exit(STOPPED_EXIT_CODE)
 
 
 def set_deterministic(on: bool) -> None:
@@ -416,34 +551,53 @@ def export_hf(model: nn.Module, tokenizer, config, out_dir: Path, prefix: str = 
 
 def load_for_export(checkpoint: Path, model_path: str, key: str = "policy") -> nn.Module:
     """A single-process model built from `model_path`'s config with the weights of `key` in a DCP checkpoint
-    (sharded by any number of ranks; DCP reads it without a process group)."""
+    (sharded by any number of ranks; DCP reads it without a process group). A causal LM for a policy; for a critic
+    (ppo.py's ValueModel: `backbone.*` plus a scalar `head`) an AutoModelForSequenceClassification with
+    num_labels=1 whose `score` is the value head (its bias in config.value_head_bias, see docs/checkpoints.md)."""
     from torch.distributed.checkpoint import FileSystemReader
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / COMPLETE).is_file():
         raise CheckpointError(f"{checkpoint} is incomplete (no {COMPLETE} marker: the run was killed while "
                               "writing it); pick another checkpoint")
     config = AutoConfig.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     head = f"{key}.model."
     saved_keys = [k[len(head):] for k in saved if k.startswith(head)]
     if not saved_keys:
         names = sorted({k.split(".")[0] for k in saved})
         raise CheckpointError(f"{checkpoint} has no model under '{key}'; it holds {names}: pass --key <one of them>")
-    # The trained module may wrap the HF model (TokenLogProbs keeps it at "lm."): find the prefix from one name.
-    probe = next(iter(model.state_dict()))
+    value = f"{head}head.weight" in saved  # ppo.py's ValueModel: backbone + a (1, H) head
+    if value:
+        config.num_labels = 1
+        if config.pad_token_id is None:  # sequence classification pools at the last non-pad token
+            config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config, dtype=torch.float32)
+        model.config.architectures = [type(model).__name__]
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    body = model.base_model if value else model
+    # The trained module may wrap the HF model (TokenLogProbs keeps it at "lm.", ValueModel its backbone at
+    # "backbone."): find the prefix from one name.
+    probe = next(iter(body.state_dict()))
     match = next((k for k in saved_keys if k.endswith(probe)), None)
     if match is None:
         raise CheckpointError(f"{checkpoint}: '{key}' does not look like {config.model_type} from {model_path} "
                               f"(no saved name ends in {probe}; saved names start with {saved_keys[:3]})")
     prefix = head + match[: len(match) - len(probe)]
-    params = {prefix + n: p.data for n, p in model.state_dict(keep_vars=True).items() if prefix + n in saved}
-    missing = [n for n, _ in model.named_parameters() if prefix + n not in saved]
+    params = {prefix + n: p.data for n, p in body.state_dict(keep_vars=True).items() if prefix + n in saved}
+    missing = [n for n, _ in body.named_parameters() if prefix + n not in saved]
     if missing:
         raise CheckpointError(f"{checkpoint}: '{key}' lacks parameters of the model at {model_path}: {missing[:5]}")
+    bias = torch.zeros(1)
+    if value:
+        params[f"{head}head.weight"] = model.score.weight.data  # (1, H)
+        if f"{head}head.bias" in saved:
+            params[f"{head}head.bias"] = bias
     dcp.load(params, checkpoint_id=str(checkpoint), no_dist=True)  # in place into the model's tensors
+    if value:
+        model.config.value_head_bias = float(bias)  # HF's score has no bias: V = score(h) + value_head_bias
     return model
 
 

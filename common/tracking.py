@@ -2,9 +2,11 @@
 folder, and wandb with --track); other ranks get a stand-in with the same methods, so call sites carry no `if`."""
 import dataclasses
 import json
+import secrets
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 
@@ -33,6 +35,23 @@ def to_dict(args) -> dict:
     return d
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a metrics/samples file; a torn line (a run killed mid-write) is dropped with a warning."""
+    rows, torn = [], []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError(line)
+            rows.append(row)
+        except ValueError:
+            torn.append(i)
+    if torn:
+        warnings.warn(f"{path}: dropped {len(torn)} torn line(s) (line {', '.join(map(str, torn))}: not valid JSON, "
+                      "a run killed while writing it)")
+    return rows
+
+
 class NullTracker:
     """What non-zero ranks (and nothing else) get: same methods, does nothing."""
 
@@ -56,9 +75,9 @@ class Tracker(NullTracker):
             for name_ in ("metrics.jsonl", "samples.jsonl"):
                 path = self.run_dir / name_
                 if path.exists():
-                    keep = [l for l in path.read_text().splitlines(True) if json.loads(l)["step"] < resume_step]
+                    keep = [r for r in read_jsonl(path) if r["step"] < resume_step]
                     tmp = path.with_suffix(".tmp")
-                    tmp.write_text("".join(keep))
+                    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
                     tmp.replace(path)
         mode = "a" if resume else "w"
         self.metrics = open(self.run_dir / "metrics.jsonl", mode)
@@ -66,8 +85,13 @@ class Tracker(NullTracker):
         self.wandb = None
         if track:
             import wandb
-            self.wandb = wandb.init(project=project, name=name, config=config, dir=str(self.run_dir),
-                                    resume="allow" if resume else None, id=name if resume else None)
+            # the wandb run's id lives in the run folder: a resumed run continues its own wandb run, never a new
+            # one and never another run's of the same name; a fresh run (or --overwrite) gets a new id
+            id_file = self.run_dir / "wandb_id.txt"
+            run_id = id_file.read_text().strip() if resume and id_file.is_file() else secrets.token_hex(4)
+            id_file.write_text(run_id + "\n")
+            self.wandb = wandb.init(project=project, name=name, config=config, dir=str(self.run_dir), id=run_id,
+                                    resume="allow" if resume else None)
             if git["diff"]:
                 art = wandb.Artifact("git-diff", type="code")
                 art.add_file(str(self.run_dir / "git.diff"))

@@ -48,6 +48,7 @@ from common.fsdp import clip_grad_norm, place_frozen, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer
 from common.passes import microbatches, rollout_logprobs, sequence_logprobs
 from common.perf import perf_metrics
+from common.progress import show_phase
 from common.rewards import load_reward_fn
 from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, resolve_model_once
 from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, rollout_metrics, sample_rows,
@@ -58,6 +59,14 @@ from common.tracking import Profile, Progress, make_tracker, print_table, timed,
 @dataclass
 class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engine flags of common/args.py
     exp_name: str = "grpo"
+    num_steps: int = 10  # quick-start defaults (common/args.py has the flags' descriptions)
+    dataset: str = "arith-easy"
+    max_new_tokens: int = 48
+    temperature: float = 0.7
+    """sampling temperature; the trainer's log-probs use the same temperature (0.7: the 135M default model is right
+    more often than at 1.0, so groups have reward variance)"""
+    lr: float = 2e-5
+    """AdamW learning rate (the default moves the 135M default model within 10 steps; ~1e-6 for 1B+ models)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     group_size: int = 8
     """G: completions sampled per prompt"""
@@ -320,15 +329,16 @@ def main(args: Args) -> None:
             flush=True)
 
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
+        show_phase(progress, at, f"evaluating on {args.eval_size} held-out prompts (greedy)")
         log_eval(tracker, at, d.is_main, evaluate(engine, evals, sampling, reward_fn, tok, args.reward_timeout,
                                                   args.seed + 7919 * at, args.eval_n, args.temperature))
 
     # ---- the loop -----------------------------------------------------------------------------------------
     G, width = args.group_size, args.max_new_tokens
+    progress, stopping = Progress(d.is_main, args.num_steps, start), False
     sync_engine(engine, policy, resume_from is not None, plan.keep_gathered, {})  # wake it; refit a resumed policy
     if args.eval_every and start % args.eval_every == 0 and start < args.num_steps:
         evaluate_and_log(start)
-    progress, stopping = Progress(d.is_main, args.num_steps, start), False
     for step in range(start, args.num_steps):
         perf: dict[str, float] = {}
         t_step = time.perf_counter()
@@ -336,6 +346,7 @@ def main(args: Args) -> None:
         prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}_generate", trace=False,
                        python=True)  # generation is host-bound: where vLLM's Python time goes
         examples = sampler.next_batch()
+        show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
         rollout = generate(engine, examples, G, args.temperature, args.seed * 100003 + step * d.world_size + d.rank,
                            sampling, perf, logprobs=args.tis_cap > 0 or
                            (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
@@ -368,6 +379,7 @@ def main(args: Args) -> None:
                                                                          batch.engine_mask))
 
         # ---- 4. learn -----------------------------------------------------------------------------------------
+        show_phase(progress, step, f"learning from {len(rows)} sequences")
         policy.train()
         prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}")
         ref_logp = batch.ref_logp.to(d.device) if ref_early else None  # (B, T)

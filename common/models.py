@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +36,9 @@ def _gguf_to_folder(gguf: Path) -> Path:
     out = CACHE / "gguf" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
+    print(f"converting {gguf.name} to an HF folder {out} (once per GGUF file; 30-70 s for the default "
+          f"135M model on 2 CPU cores)", flush=True)
+    t0 = time.perf_counter()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -50,6 +54,7 @@ def _gguf_to_folder(gguf: Path) -> Path:
         tmp.rename(out)
     except OSError:  # another rank finished first
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"converted in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
 
 

@@ -246,16 +246,16 @@ class MakePairsArgs:
     """dataset field holding the reference answer"""
     instruction: str | None = None
     """appended to every question (default: common.data.DEFAULT_INSTRUCTION)"""
-    num_prompts: int = 256
-    """prompts to sample for (the first ones of the split)"""
+    num_prompts: int = 32
+    """prompts to sample for (the first ones of the split); CPU-sized default, 256+ on a GPU"""
     samples: int = 8
     """completions per prompt"""
     pairs_per_prompt: int = 1
     """most (correct, wrong) pairs written per prompt"""
     temperature: float = 1.0
     """sampling temperature"""
-    max_new_tokens: int = 256
-    """completion length limit"""
+    max_new_tokens: int = 96
+    """completion length limit (CPU-sized default; 256+ on a GPU for step-by-step answers)"""
     reward_fn: str = "math"
     """'math', 'format', or pkg.module:function (common/rewards.py); reward > 0 counts as correct"""
     rollout: str = "auto"
@@ -286,7 +286,7 @@ def make_pairs(args: MakePairsArgs) -> int:
         engine = HFEngine(model_path, d.device, pad_token_id=tok.pad_token_id, eos_token_ids=stop_ids)
     rollout = engine.generate([e.prompt_ids for e in examples], n=args.samples, temperature=args.temperature,
                               top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                              stop_token_ids=stop_ids)
+                              stop_token_ids=stop_ids, logprobs=False)  # pairs need texts and rewards only
     texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True)
     rep = lambda xs: [x for x in xs for _ in range(args.samples)]
     res = score(load_reward_fn(args.reward_fn), rep([e.prompt_text for e in examples]), texts,

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from common import dist as D
 from common.fsdp import iter_full_params
+from common.progress import token_streamer
 from common.rewards import format_reward, score
 from common.tracking import timed
 
@@ -200,7 +201,7 @@ class HFEngine:
                 top_k=None if greedy or top_k <= 0 else top_k, max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens if ignore_eos else None, num_return_sequences=n,
                 eos_token_id=stops or None, pad_token_id=self.pad, output_scores=logprobs,
-                return_dict_in_generate=True)
+                return_dict_in_generate=True, streamer=token_streamer(max_new_tokens))  # rank 0's bar: token i/N
         new = out.sequences[:, width:].cpu()  # (B, T_new)
         # scores are the processed logits the sampler drew from (after temperature / top-p / top-k)
         # log-prob of each generated token only (no (B, T, V) stack); (B, T_new)

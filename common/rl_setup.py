@@ -36,6 +36,8 @@ def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
     if (args.kl_target > 0 or getattr(args, "kl_in_reward", False)) and not args.kl_coef > 0:
         raise ValueError("--kl-target and --kl-in-reward need a --kl-coef > 0 (the controller scales it; 0 stays 0, "
                          "and kl_coef 0 loads no reference model)")
+    if getattr(args, "dynamic_sampling_max_rounds", 1) > 1 and not args.dynamic_sampling:
+        raise ValueError("--dynamic-sampling-max-rounds > 1 re-samples only with --dynamic-sampling: add it, or drop it")
     if args.prompts_per_step % world_size:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
                          f"({world_size}): each rank generates for its share of the prompts")

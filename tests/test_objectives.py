@@ -154,6 +154,12 @@ def test_adaptive_kl_controller_copy_in_grpo():
     assert grpo.update_kl_coef(0.1, 5.0, 0.0, 100, 10) == 0.1
 
 
+def test_resampling_rounds_need_dynamic_sampling():
+    with pytest.raises(ValueError, match="--dynamic-sampling-max-rounds > 1 re-samples only with --dynamic-sampling"):
+        check_geometry(grpo.Args(prompts_per_step=2, dynamic_sampling_max_rounds=3), 1)
+    check_geometry(grpo.Args(prompts_per_step=2, dynamic_sampling_max_rounds=3, dynamic_sampling=True), 1)
+
+
 def test_kl_in_reward_and_kl_target_need_a_coefficient():
     for flags in (dict(kl_in_reward=True), dict(kl_target=1.0)):
         with pytest.raises(ValueError, match="--kl-coef > 0"):

@@ -9,7 +9,7 @@ Each step (numbers match the phases in the loop):
   2. score     r_i per completion (plus format and overlong shaping); every rank gathers the whole rollout
   3. advantage A_i = (r_i - mean_G r) / (std_G r + eps) for each of its sequences; dynamic sampling drops zero-variance groups
   4. learn     for each epoch and mini-batch: clipped surrogate on ratio = pi/pi_old per response token,
-               + kl_coef * KL(pi || pi_ref) (k3 estimator), - entropy_coef * H; AdamW step
+               + kl_coef * KL(pi || pi_ref) (--kl-estimator; or in the reward), - entropy_coef * H; AdamW step
   5. sync      refit the engine from the FSDP2 shards at the end of the step (nano-aha-moment)
   6. log, 7. evaluate (every --eval-every steps, and after the loop), 8. checkpoint
 

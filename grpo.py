@@ -44,7 +44,7 @@ import torch
 from common import checkpoint as C
 from common import dist as D
 from common.attention import attn_kwargs, register_varlen_attention
-from common.args import RLArgs, cli
+from common.args import LossAgg, RLArgs, cli
 from common.data import PromptSampler
 from common.evaluate import evaluate, log_eval
 from common.fsdp import clip_grad_norm, place_frozen, shard
@@ -57,9 +57,6 @@ from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, r
 from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, merge_rollouts, rollout_metrics,
                             sample_rows, score_rollout, step_line, sync_engine)
 from common.tracking import Profile, Progress, make_tracker, print_table, timed, to_dict
-
-LossAgg = Literal["token-mean", "seq-mean-token-sum-norm", "seq-mean-token-mean", "seq-mean-token-sum-verl",
-                  "seq-mean-token-sum"]  # the last: the deprecated old name of seq-mean-token-sum-norm
 
 
 @dataclass
@@ -444,8 +441,7 @@ def main(args: Args) -> None:
         perf["generate_slowest_s"] = batch.generate_s  # the rank every other one waits for
         B = len(batch.response_ids)
         if args.dynamic_sampling and d.is_main:  # DAPO: how full the batch came out
-            print(f"step {step}: dynamic sampling: {informative} of {B // G} groups with reward variance "
-                  f"({len(parts)} round(s))", flush=True)
+            print(f"step {step}: dynamic sampling kept {informative}/{B // G} groups, {len(parts)} rounds", flush=True)
 
         # ---- 3. advantages (pi_old and pi_ref log-probs first where the KL enters the reward) -------------------
         keep = dynamic_sampling_keep(batch.rewards, G) if args.dynamic_sampling else torch.ones(B, dtype=torch.bool)

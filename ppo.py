@@ -54,7 +54,7 @@ from torch import nn
 from common import checkpoint as C
 from common import dist as D
 from common.attention import attn_kwargs, register_varlen_attention
-from common.args import RLArgs, cli
+from common.args import LossAgg, RLArgs, cli
 from common.data import PromptSampler
 from common.evaluate import evaluate, log_eval
 from common.fsdp import clip_grad_norm, place_frozen, shard
@@ -67,9 +67,6 @@ from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, r
 from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, rollout_metrics, sample_rows,
                             score_rollout, step_line, sync_engine)
 from common.tracking import Progress, make_tracker, print_table, timed, to_dict
-
-LossAgg = Literal["token-mean", "seq-mean-token-sum-norm", "seq-mean-token-mean", "seq-mean-token-sum-verl",
-                  "seq-mean-token-sum"]  # the last: the deprecated old name of seq-mean-token-sum-norm
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The flags the training scripts share, as dataclass bases of their Args: flat, so the flags and `args.x` read as if
 each script declared them (tyro: the --help of each script lists them with its own). RunArgs: every script;
-RLArgs: grpo.py and ppo.py (prompts, reward, sampling, optimiser, engine). Algorithm knobs and the batch geometry
-never live here: they are in each script's Args, which can also redeclare a field here to change its default."""
+RLArgs: grpo.py and ppo.py (prompts, reward, sampling, optimiser, engine, where the reference model lives, and the
+derived geometry both compute alike). Algorithm knobs and the batch-geometry flags never live here: they are in
+each script's Args, which can also redeclare a field here to change its default."""
 import dataclasses
 import inspect
 import re
@@ -14,6 +15,11 @@ from common.data import DEFAULT_INSTRUCTION
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs
 from common.vllm_engine import VLLMArgs
+
+
+# --loss-agg of grpo.py and ppo.py (verl's names; the last is the deprecated old name of seq-mean-token-sum-norm)
+LossAgg = Literal["token-mean", "seq-mean-token-sum-norm", "seq-mean-token-mean", "seq-mean-token-sum-verl",
+                  "seq-mean-token-sum"]
 
 
 @dataclass

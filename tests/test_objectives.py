@@ -181,7 +181,6 @@ def test_soft_overlong_penalty_eq13():
 
 def test_soft_overlong_needs_a_buffer(monkeypatch):
     monkeypatch.setattr(grpo.D, "init_distributed", lambda device="auto": Dist(0, 1, 0, torch.device("cpu")))
-    monkeypatch.setattr(grpo.C, "set_deterministic", lambda flag: None)
     monkeypatch.setattr(grpo.D, "seed_everything", lambda seed: None)
     monkeypatch.setattr(grpo, "resolve_model_once", lambda *a: (_ for _ in ()).throw(AssertionError("model loaded")))
     with pytest.raises(ValueError, match="--overlong soft needs 0 < --overlong-buffer"):

@@ -30,9 +30,14 @@ def _locate_pip_file(spec: str) -> Path:
     return path
 
 
+CONVERTER = "2"  # 2: the tokenizer's eos/pad from the GGUF's config (1 kept transformers' <|im_start|> eos)
+
+
 def _gguf_to_folder(gguf: Path) -> Path:
     """Dequantize a GGUF checkpoint once into an ordinary HF folder (cached; written atomically)."""
-    key = hashlib.sha1(f"{gguf.resolve()}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode()).hexdigest()[:12]
+    # CONVERTER names the conversion's own version: a change to what it writes must not reuse older folders.
+    stamp = f"{CONVERTER}:{gguf.resolve()}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}"
+    key = hashlib.sha1(stamp.encode()).hexdigest()[:12]
     out = CACHE / "gguf" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
@@ -48,6 +53,17 @@ def _gguf_to_folder(gguf: Path) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    # transformers 5.17 reads the GGUF's special tokens into config.json correctly (SmolLM2: eos = pad = <|im_end|>)
+    # but gives the tokenizer eos <|im_start|> and no pad; take them from the config so padding, DPO's pair ends and
+    # stop ids agree. BPE: no clean-up of spaces (transformers ignores it for BPE and warns).
+    eos, pad = getattr(model.config, "eos_token_id", None), getattr(model.config, "pad_token_id", None)
+    if isinstance(eos, int):
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
+    if isinstance(pad, int):
+        tok.pad_token = tok.convert_ids_to_tokens(pad)
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        tok.clean_up_tokenization_spaces = False
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     try:

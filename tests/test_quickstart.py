@@ -93,14 +93,17 @@ def test_readme_quick_start(tmp_path):
         run = out / "grpo"
         assert json.loads((run / "config.json").read_text())["model"] == DEFAULT_MODEL
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [0, 1]  # the step, then the final evaluation
-        for key in ["reward/mean", "reward/correct_frac", "train/loss", "train/grad_norm", "eval/accuracy",
-                    "eval/format", "eval/response_len"]:
-            assert key in rows[0], key
-        assert 0.0 <= rows[0]["reward/mean"] and 0.0 <= rows[1]["eval/accuracy"] <= 1.0
-        assert rows[0]["rollout/response_len_mean"] <= 8
+        # evaluations are rows of their own at the step whose weights they measured: step 0's, the step, the final
+        assert [r["step"] for r in rows] == [0, 0, 1]
+        for key in ["reward/mean", "reward/correct_frac", "train/loss", "train/grad_norm"]:
+            assert key in rows[1], key
+        for key in ["eval/accuracy", "eval/format", "eval/response_len"]:
+            assert key in rows[0] and key in rows[2], key
+        assert 0.0 <= rows[1]["reward/mean"] and 0.0 <= rows[2]["eval/accuracy"] <= 1.0
+        assert rows[1]["rollout/response_len_mean"] <= 8
         assert (run / "checkpoints" / "step_000001" / "COMPLETE").exists()
-        assert re.search(r"^step +0 \|.*eval/accuracy", p.stdout, re.M) and "step 1 (final)" in p.stdout
+        assert re.search(r"^step 0 \(eval\) \|.*eval/accuracy", p.stdout, re.M) and "step 1 (eval)" in p.stdout
+        assert re.search(r"^step +0 \| reward", p.stdout, re.M)
         assert list(tmp_path.rglob("offline-run-*/run-*.wandb"))  # the wandb run, offline
 
         missing = undeclared_imports(p.stderr, declared_distributions(ROOT / "requirements.txt", README_EXTRA))

@@ -9,18 +9,21 @@ Each step (numbers match the phases in the loop):
   2. score     r_i per completion (plus format and overlong shaping); every rank gathers the whole rollout
   3. advantage A_i = (r_i - mean_G r) / (std_G r + eps) for each of its sequences; dynamic sampling drops zero-variance groups
   4. learn     for each epoch and mini-batch: clipped surrogate on ratio = pi/pi_old per response token,
-               + kl_coef * KL(pi || pi_ref) (k1/k2/k3 estimator), - entropy_coef * H; AdamW step
+               + kl_coef * KL(pi || pi_ref) (--kl-estimator; or in the reward), - entropy_coef * H; AdamW step
   5. sync      refit the engine from the FSDP2 shards at the end of the step (nano-aha-moment)
   6. log, 7. evaluate (every --eval-every steps, and after the loop), 8. checkpoint
 
 Deviations from the GRPO paper (each is a flag):
   1. Loss aggregation defaults to token-mean over the mini-batch (DAPO); the paper's per-sequence mean is
-     --loss-agg seq-mean-token-mean, Dr. GRPO's constant normaliser is --loss-agg seq-mean-token-sum.
+     --loss-agg seq-mean-token-mean, Dr. GRPO's constant normaliser is --loss-agg seq-mean-token-sum-norm.
   2. kl_coef defaults to 0 (DAPO, Dr. GRPO), so no reference model is loaded; the paper used 0.04 with k3.
   3. The KL term is added to the per-token loss with the chosen estimator (k3 as in the paper by default).
   4. Clip range can be asymmetric (--clip-eps-high, DAPO clip-higher); equal (0.2, 0.2) by default.
-  5. Dynamic sampling drops zero-variance groups without re-sampling, so the batch shrinks instead.
+  5. Dynamic sampling re-samples (DAPO) only with --dynamic-sampling-max-rounds > 1; by default the batch shrinks.
   6. Outcome rewards only (no process supervision); the reference model stays fixed (no periodic reset).
+Variants (flags; docs/grpo.md has each formula): GSPO-token (--ratio-level sequence), RLOO and REINFORCE++(-baseline)
+  (--adv-estimator), dual-clip PPO (--dual-clip-c), KL estimators k1+/k3+/abs, the KL in the reward (--kl-in-reward),
+  adaptive kl_coef (--kl-target, Ziegler et al. 2019), DAPO's soft overlong penalty (--overlong soft).
 
 Launch:
   CPU, offline default (SmolLM2-135M-Instruct GGUF + arithmetic task):  python grpo.py
@@ -41,7 +44,7 @@ import torch
 from common import checkpoint as C
 from common import dist as D
 from common.attention import attn_kwargs, register_varlen_attention
-from common.args import RLArgs, cli
+from common.args import LossAgg, RLArgs, cli
 from common.data import PromptSampler
 from common.determinism import set_deterministic
 from common.evaluate import evaluate, log_eval
@@ -53,8 +56,8 @@ from common.perf import perf_metrics
 from common.progress import show_phase
 from common.rewards import load_reward_fn
 from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, resolve_model_once
-from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, rollout_metrics, sample_rows,
-                            score_rollout, step_line, sync_engine)
+from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, merge_rollouts, rollout_metrics,
+                            sample_rows, score_rollout, step_line, sync_engine)
 from common.run_dir import claim_run_dir
 from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
 from common.tracking import Profile, Progress, make_tracker, print_table, timed, to_dict
@@ -74,32 +77,45 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     # ---- algorithm ---------------------------------------------------------------------------------------
     group_size: int = 8
     """G: completions sampled per prompt"""
+    adv_estimator: Literal["grpo", "rloo", "reinforce++", "reinforce++-baseline"] = "grpo"
+    """the advantage (docs/grpo.md): grpo | rloo (leave-one-out) | reinforce++ | reinforce++-baseline (group mean)"""
     scale_by_std: bool = True
     """divide advantages by the group's reward std (GRPO); --no-scale-by-std is Dr. GRPO"""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """importance ratio per token (PPO, GRPO) or per sequence: the geometric mean of its token ratios (GSPO-token)"""
     adv_eps: float = 1e-6
     """added to the group std before dividing"""
     clip_eps_low: float = 0.2
     """epsilon_low: ratio clipped below at 1 - eps_low"""
     clip_eps_high: float = 0.2
     """epsilon_high: ratio clipped above at 1 + eps_high (DAPO clip-higher uses 0.28)"""
+    dual_clip_c: float = 0.0
+    """dual-clip PPO: with A < 0 the objective is bounded below by c * A (0: off; c > 1, verl's default is 3.0)"""
     kl_coef: float = 0.0
     """beta: weight of KL(pi || pi_ref) in the loss; > 0 loads the frozen reference model"""
-    reference: Literal["auto", "sharded", "replicated"] = "auto"
-    """the reference model (kl_coef > 0): sharded like the policy, or a whole copy on every rank, which scores this
-    rank's own rollout before the gather, while slower ranks still generate (its forward runs no collective).
-    auto: replicated with several GPUs when a copy takes under 5 % of one (0.5B-3B on an H200)"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """per-token KL estimator (Schulman's k1, k2, k3; GRPO uses k3)"""
+    kl_in_reward: bool = False
+    """the KL as a per-token reward penalty -beta * KL on pi_old (PPO-style, before the advantage), not in the loss"""
+    kl_target: float = 0.0
+    """adaptive KL controller: target per-sequence KL in nats (0: fixed kl_coef; ppo.py's controller)"""
+    kl_horizon: int = 10000
+    """adaptive KL controller: horizon in sequences (Ziegler et al. 2019)"""
+    kl_estimator: Literal["k1", "k2", "k3", "k1+", "k3+", "abs"] = "k3"
+    """per-token KL estimator (Schulman's k1, k2, k3; GRPO uses k3); k1+ / k3+: their value, k2's gradient; abs"""
     entropy_coef: float = 0.0
     """weight of the entropy bonus (0: entropy is only logged)"""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """token-mean (DAPO) | seq-mean-token-sum (Dr. GRPO, / max_new_tokens) | seq-mean-token-mean (GRPO paper)"""
+    loss_agg: LossAgg = "token-mean"
+    """token-mean (DAPO) | seq-mean-token-sum-norm (Dr. GRPO, / max_new_tokens) | seq-mean-token-mean (GRPO paper)
+    | seq-mean-token-sum-verl (verl's seq-mean-token-sum); seq-mean-token-sum: old name of seq-mean-token-sum-norm"""
     dynamic_sampling: bool = False
-    """drop groups whose rewards are all equal (DAPO dynamic sampling; no re-sampling)"""
-    overlong: Literal["none", "penalty", "mask"] = "none"
-    """truncated completions: keep as is, add --overlong-penalty to their reward, or mask them out of the loss"""
+    """drop groups whose rewards are all equal (DAPO dynamic sampling), re-sampling up to the rounds below"""
+    dynamic_sampling_max_rounds: int = 1
+    """generation rounds per step to fill the batch with P groups of unequal rewards (1: drop only; it shrinks)"""
+    overlong: Literal["none", "penalty", "soft", "mask"] = "none"
+    """none | penalty: --overlong-penalty if truncated | soft: DAPO's (--overlong-buffer) | mask: out of the loss"""
     overlong_penalty: float = -0.5
     """reward added to truncated completions with --overlong penalty"""
+    overlong_buffer: int = 0
+    """--overlong soft: the penalty falls linearly from 0 at max_new_tokens - N to -1 at max_new_tokens (DAPO eq. 13)"""
     # ---- batch geometry ----------------------------------------------------------------------------------
     prompts_per_step: int = 0
     """P: prompts per rollout step, over all ranks (0: 2 per rank)"""
@@ -123,18 +139,6 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
         return self.prompts_per_step * self.group_size
 
     @property
-    def optimizer_steps_per_rollout(self) -> int:
-        return self.num_minibatches * self.num_epochs
-
-    @property
-    def sequences_per_minibatch(self) -> int:
-        return self.sequences_per_step // self.num_minibatches
-
-    @property
-    def forward_token_budget(self) -> int:
-        return self.max_tokens_per_forward or 4 * self.max_tokens_per_microbatch
-
-    @property
     def recompute_old_logp(self) -> bool:
         # With one optimiser step per rollout the policy has not moved when the ratio is taken: pi_old = pi.detach()
         return self.optimizer_steps_per_rollout > 1
@@ -150,26 +154,88 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool,
     return adv.flatten()
 
 
+def advantages(rewards, kl_reward, mask, group_size: int, estimator: str, scale_by_std: bool, eps: float):
+    """Per-token advantages (B, T), 0 outside mask. rewards: (B,) prompt-major; kl_reward: (B, T) -beta * KL per
+    token with --kl-in-reward, else 0. grpo, rloo and reinforce++-baseline score a sequence by its return
+    R_i = r_i + sum_t kl_reward_t (as verl does); reinforce++ gives token t its return-to-go r_i + sum_{s>=t}."""
+    ret = rewards + kl_reward.sum(1)  # (B,)
+    if estimator == "grpo":
+        return group_advantages(ret, group_size, scale_by_std, eps)[:, None] * mask
+    if estimator == "rloo":  # R_i - mean of the other G-1 returns = G / (G-1) (R_i - mean_G R) (Ahmadian et al. 2024)
+        return group_advantages(ret, group_size, False)[:, None] * mask * (group_size / (group_size - 1))
+    if estimator == "reinforce++-baseline":  # the group mean subtracted, then whitened over the whole batch
+        return masked_whiten(group_advantages(ret, group_size, False)[:, None] * mask, mask, eps)
+    if estimator == "reinforce++":  # no baseline but the whitening over the whole batch (Hu 2025), gamma = 1
+        return masked_whiten(rewards[:, None] + kl_reward.flip(1).cumsum(1).flip(1), mask, eps)
+    raise ValueError(f"unknown advantage estimator {estimator!r}: use grpo, rloo, reinforce++ or "
+                     "reinforce++-baseline (--adv-estimator)")
+
+
+# Same as ppo.py:masked_whiten
+def masked_whiten(x, mask, eps: float = 1e-8):
+    """(x - mean) / std over the tokens in mask (population std), 0 outside it. Every rank holds the whole rollout,
+    so this is the global whitening."""
+    n = mask.sum().clamp(min=1)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) * mask) ** 2).sum() / n
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def sequence_ratio_old_logp(logp, old_logp, mask):
+    """GSPO-token (Zheng et al. 2025): o with exp(logp_t - o_t) = sg[s_i] pi_t / sg[pi_t], s_i = exp(mean_t log
+    pi/pi_old): clipped_pg_loss then clips the sequence ratio s_i; token t's gradient is s_i A_i grad log pi_t."""
+    log_s = ((logp - old_logp) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (b, 1)
+    return (logp - log_s).detach()
+
+
+def overlong_reward(truncated, response_len, args: Args) -> torch.Tensor:
+    """Reward shaping (B,): --overlong penalty adds --overlong-penalty to truncated completions; --overlong soft is
+    DAPO's eq. 13, 0 up to max_new_tokens - buffer tokens, then linear to -1 at max_new_tokens."""
+    if args.overlong == "soft":
+        return ((args.max_new_tokens - args.overlong_buffer - response_len.float()) / args.overlong_buffer).clamp(-1, 0)
+    return args.overlong_penalty * truncated if args.overlong == "penalty" else torch.zeros(len(truncated))
+
+
+# Same as ppo.py:update_kl_coef
+def update_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: int, n_steps: int) -> float:
+    """Adaptive KL controller (Ziegler et al. 2019): kl_coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon.
+    kl: the rollout's mean per-sequence KL; n_steps: sequences since the last update. kl_target 0: fixed."""
+    if kl_target <= 0:
+        return kl_coef
+    error = min(max(kl / kl_target - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * n_steps / kl_horizon)
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html)."""
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html). k1+, k3+:
+    the value of k1 / k3 with the gradient of k2 (straight-through, verl's "+" estimators); abs: |log pi/pi_ref|."""
     log_ratio = logp - ref_logp  # log pi/pi_ref
+    if estimator in ("k1+", "k3+"):
+        k2 = 0.5 * log_ratio ** 2
+        return k2 - k2.detach() + kl_penalty(logp, ref_logp, estimator[:2]).detach()
+    if estimator == "abs":
+        return log_ratio.abs()
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
     if estimator == "k3":
         return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
-    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3 (--kl-estimator)")
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3, or k1+, k3+, abs (--kl-estimator)")
 
 
-def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: float):
-    """PPO clipped surrogate per token, -min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A). logp, old_logp: (B, T);
-    adv: (B,). Returns the per-token loss and where the clipped branch was taken (for the clip fraction)."""
+def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: float, dual_clip_c: float = 0.0):
+    """PPO clipped surrogate per token, -min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A), capped at -c A where A < 0
+    (dual-clip PPO, c = dual_clip_c > 0). logp, old_logp: (B, T); adv: (B,) or (B, T). Returns it, and where clipped."""
     ratio = torch.exp(logp - old_logp)
-    adv = adv[:, None]
+    adv = adv[:, None] if adv.dim() == 1 else adv
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * adv
-    return -torch.minimum(unclipped, clipped), (clipped < unclipped)
+    loss, was_clipped = -torch.minimum(unclipped, clipped), clipped < unclipped
+    if dual_clip_c > 0:  # A < 0 and ratio > c: the loss stops growing with the ratio (no gradient)
+        lower = (adv < 0) & (loss > -dual_clip_c * adv)
+        loss, was_clipped = torch.where(lower, -dual_clip_c * adv, loss), was_clipped | lower
+    return loss, was_clipped
 
 
 def loss_normaliser(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> float:
@@ -178,12 +244,12 @@ def loss_normaliser(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> f
     n_seq = int(mask.any(1).sum())  # sequences with a token in the loss (--overlong mask empties some)
     if loss_agg == "token-mean":
         return float(mask.sum().clamp(min=1))
-    if loss_agg == "seq-mean-token-sum":
+    if loss_agg in ("seq-mean-token-sum-norm", "seq-mean-token-sum"):  # the old name: check_geometry warns
         return float(max(1, n_seq) * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
-    if loss_agg == "seq-mean-token-mean":
-        return float(max(1, n_seq))  # each sequence first averaged over its own tokens
-    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
-                     "seq-mean-token-mean (--loss-agg)")
+    if loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum-verl"):
+        return float(max(1, n_seq))  # each sequence first averaged over its own tokens, or summed (verl)
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum-norm, "
+                     "seq-mean-token-mean or seq-mean-token-sum-verl (--loss-agg)")
 
 
 def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, normaliser: float) -> torch.Tensor:
@@ -191,10 +257,10 @@ def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, no
     if loss_agg == "seq-mean-token-mean":
         per_seq = (loss_tok * mask).sum(1) / mask.sum(1).clamp(min=1)
         return per_seq.sum() / normaliser
-    if loss_agg in ("token-mean", "seq-mean-token-sum"):
+    if loss_agg in ("token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum", "seq-mean-token-sum-verl"):
         return (loss_tok * mask).sum() / normaliser
-    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
-                     "seq-mean-token-mean (--loss-agg)")
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum-norm, "
+                     "seq-mean-token-mean or seq-mean-token-sum-verl (--loss-agg)")
 
 
 def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -204,11 +270,13 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tenso
 
 
 def policy_loss(logp, entropy, mask, adv, old_logp, ref_logp, engine_logp, args: Args, normaliser: float,
-                engine_mask=None):
-    """One micro-batch's share of the GRPO loss, and its summed statistics. All (b, T) except adv (b,).
-    ref_logp is None when kl_coef == 0; engine_mask (bool) marks the tokens the engine gave a log-prob for (None:
-    all). A mask, not engine_logp != 0: a token of probability 1 has log-prob exactly 0."""
-    loss_tok, clipped = clipped_pg_loss(logp, old_logp, adv, args.clip_eps_low, args.clip_eps_high)  # (b, T)
+                engine_mask=None, kl_coef: float | None = None):
+    """One micro-batch's share of the GRPO loss, and its summed statistics. All (b, T), adv also (b,); ref_logp None:
+    no KL term in the loss; engine_mask (bool): the tokens the engine gave a log-prob for (None: all; a mask, not
+    engine_logp != 0: log 1 = 0 is a log-prob); kl_coef: the adaptive controller's beta (None: --kl-coef)."""
+    pg_old = sequence_ratio_old_logp(logp, old_logp, mask) if args.ratio_level == "sequence" else old_logp  # GSPO
+    loss_tok, clipped = clipped_pg_loss(logp, pg_old, adv, args.clip_eps_low, args.clip_eps_high,
+                                        args.dual_clip_c)  # (b, T)
     has_engine_logp = torch.ones_like(mask, dtype=torch.bool) if engine_mask is None else engine_mask
     stats = {}
     if args.tis_cap > 0:  # truncated IS: the engine sampled from a slightly different pi than the trainer computes
@@ -217,7 +285,7 @@ def policy_loss(logp, entropy, mask, adv, old_logp, ref_logp, engine_logp, args:
         stats["tis_w"] = (w * mask).sum().detach()
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, args.kl_estimator)
-        loss_tok = loss_tok + args.kl_coef * kl
+        loss_tok = loss_tok + (args.kl_coef if kl_coef is None else kl_coef) * kl
         stats["kl"] = (kl * mask).sum().detach()
     if args.entropy_coef:
         loss_tok = loss_tok - args.entropy_coef * entropy
@@ -239,15 +307,13 @@ def lr_lambda(step: int, warmup_steps: int, num_steps: int, schedule: str) -> fl
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-
-
 # ---- the update (tests/grad_split_driver.py drives it) ------------------------------------------------------
 def learn_minibatch(policy, plan, batch: RolloutBatch, rows: list[int], mask, adv, old_logp, ref_logp, engine_logp,
-                    engine_mask, args: Args, d, stats: dict) -> torch.Tensor:
+                    engine_mask, args: Args, d, stats: dict, kl_coef: float | None = None) -> torch.Tensor:
     """Forward and backward of one mini-batch (`rows` of the gathered batch; this rank packs its balanced share into
     micro-batches), leaving its gradient in the policy's .grad; returns this rank's share of the loss and adds the
     summed statistics into `stats`. mask, old_logp, ref_logp, engine_logp, engine_mask: (B, T) on the device; adv:
-    (B,)."""
+    (B, T) or (B,); kl_coef: the adaptive controller's beta (None: --kl-coef)."""
     normaliser = loss_normaliser(mask[rows], args.loss_agg, args.max_new_tokens)  # the WHOLE mini-batch's
     mb_loss = torch.zeros((), device=d.device)  # for the non-finite guard
     for mb in microbatches([(policy, plan)], batch.prompt_ids, batch.response_ids, rows, d.world_size, d.rank,
@@ -259,7 +325,7 @@ def learn_minibatch(policy, plan, batch: RolloutBatch, rows: list[int], mask, ad
         loss, mb_stats = policy_loss(logp, entropy, mask[i], adv[i],
                                      old_logp[i] if old_logp is not None else logp.detach(),
                                      ref_logp[i] if ref_logp is not None else None, engine_logp[i], args, normaliser,
-                                     engine_mask[i])
+                                     engine_mask[i], kl_coef)
         loss.backward()  # this rank's share of the mini-batch loss: shard() sums the gradients over ranks
         mb_loss += loss.detach()
         for k, v in mb_stats.items():
@@ -277,9 +343,11 @@ def main(args: Args) -> None:
     if args.group_size < 2:  # the mean of a group of one is its own reward: every advantage would be 0
         raise ValueError(f"--group-size {args.group_size}: GRPO's baseline is the group mean, so a group of one has "
                          f"advantage 0 (and with --scale-by-std an undefined std); use --group-size 2 or more")
-    if args.kl_estimator not in ("k1", "k2", "k3"):
-        raise ValueError(f"--kl-estimator {args.kl_estimator!r}: use k1, k2 or k3")
-    check_geometry(args, d.world_size)
+    if args.kl_estimator not in ("k1", "k2", "k3", "k1+", "k3+", "abs"):
+        raise ValueError(f"--kl-estimator {args.kl_estimator!r}: use k1, k2 or k3, or k1+, k3+, abs")
+    if args.overlong == "soft" and not 0 < args.overlong_buffer <= args.max_new_tokens:
+        raise ValueError(f"--overlong soft needs 0 < --overlong-buffer ({args.overlong_buffer}) <= --max-new-tokens")
+    check_geometry(args, d.world_size, (("dynamic_sampling_max_rounds", 1),))
     run_dir = Path(args.out_dir) / args.exp_name
     claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
@@ -311,9 +379,10 @@ def main(args: Args) -> None:
     ckpt_root = run_dir / "checkpoints"
     state = {"policy": (policy, optimizer), "scheduler": scheduler}
     start, resume_from = 0, C.resolve_resume(args.resume, ckpt_root)
-    if resume_from:  # model, optimiser, LR schedule, RNG and data position, exactly as they were
+    kl_coef = args.kl_coef  # beta; the adaptive controller's state
+    if resume_from:  # model, optimiser, LR schedule, kl_coef, RNG and data position, exactly as they were
         extra = C.load_checkpoint(resume_from, state)
-        start = extra["step"]
+        start, kl_coef = extra["step"], extra.get("kl_coef", args.kl_coef)
         sampler.load_state_dict(extra["sampler"])
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind, "model_path": model_path,
@@ -346,56 +415,64 @@ def main(args: Args) -> None:
     for step in range(start, args.num_steps):
         perf: dict[str, float] = {}
         t_step = time.perf_counter()
-        # ---- 1. generate: G samples for each of this rank's P / world prompts --------------------------------
-        prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}_generate", trace=False,
-                       python=True)  # generation is host-bound: where vLLM's Python time goes
-        examples = sampler.next_batch()
-        show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
-        rollout = generate(engine, examples, G, args.temperature, args.seed * 100003 + step * d.world_size + d.rank,
-                           sampling, perf, logprobs=args.tis_cap > 0 or
-                           (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
-        prof.stop(d.is_main)  # the generate phase alone: kernel time vs wall time, Python functions (no trace: too big)
-        with timed(perf, "sleep"):
-            engine.sleep()  # hand the memory to training
-
-        # ---- 2. score: the task reward (+ format reward) on each rank, then every rank gathers the whole rollout
-        part, texts, prompt_texts, answers = score_rollout(rollout, examples, reward_fn, tok, args.reward_timeout,
-                                                           args.format_coef, width, perf)  # (B_rank,) each
-        if args.overlong == "penalty":  # DAPO overlong shaping, here a flat penalty
-            part.rewards += args.overlong_penalty * part.truncated
-        if ref_early:  # a whole reference per rank: score this rank's rollout now, while slower ranks still generate
-            with timed(perf, "ref_logp"):  # every sequence of the rank, also those dynamic sampling drops later
-                part.ref_logp = rollout_logprobs(ref, part.prompt_ids, part.response_ids, args.forward_token_budget,
-                                                 args.temperature, width, d.device)  # (B_rank, T)
-        with timed(perf, "gather"):  # includes waiting for the slowest rank's generation
-            batch = gather_rollout(part)  # the update balances sequences across ranks; normalisers are global
+        # ---- 1. generate, 2. score: one round, or DAPO dynamic sampling's rounds until P groups have reward variance
+        parts, informative = [], 0  # each round's rollout (gathered from every rank); groups with reward variance
+        while not parts or (args.dynamic_sampling and informative < args.prompts_per_step
+                            and len(parts) < args.dynamic_sampling_max_rounds):
+            if parts:  # a re-sampling round: wake the engine (same weights, no refit)
+                sync_engine(engine, policy, False, plan.keep_gathered, perf)
+            prof = Profile(step == args.profile_step and not parts, run_dir / f"profile_step{step}_generate",
+                           trace=False, python=True)  # generation is host-bound: where vLLM's Python time goes
+            examples = sampler.next_batch()
+            show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
+            rollout = generate(engine, examples, G, args.temperature, args.seed * 100003 + step * d.world_size + d.rank
+                               + 1000003 * len(parts), sampling, perf, logprobs=args.tis_cap > 0 or
+                               (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
+            prof.stop(d.is_main)  # the generate phase alone: kernel time vs wall time, Python functions (no trace)
+            with timed(perf, "sleep"):
+                engine.sleep()  # hand the memory to training
+            part, texts, prompt_texts, answers = score_rollout(rollout, examples, reward_fn, tok, args.reward_timeout,
+                                                               args.format_coef, width, perf)  # (B_rank,) task+format
+            part.rewards += overlong_reward(part.truncated, part.response_len, args)  # flat, or DAPO's soft one
+            if ref_early:  # a whole reference per rank: score this rank's rollout now, while slower ranks generate
+                with timed(perf, "ref_logp"):  # every sequence of the rank, also those dynamic sampling drops later
+                    part.ref_logp = rollout_logprobs(ref, part.prompt_ids, part.response_ids,
+                                                     args.forward_token_budget, args.temperature, width, d.device)
+            with timed(perf, "gather"):  # includes waiting for the slowest rank's generation
+                parts.append(gather_rollout(part))  # the update balances sequences across ranks
+            informative = int(sum(dynamic_sampling_keep(p.rewards, G).sum() for p in parts)) // G
+        batch = merge_rollouts(parts)
         perf["generate_slowest_s"] = batch.generate_s  # the rank every other one waits for
         B = len(batch.response_ids)
+        if args.dynamic_sampling and d.is_main:  # DAPO: how full the batch came out
+            print(f"step {step}: dynamic sampling kept {informative}/{B // G} groups, {len(parts)} rounds", flush=True)
 
-        # ---- 3. advantages ------------------------------------------------------------------------------------
-        adv = group_advantages(batch.rewards, G, args.scale_by_std, args.adv_eps)  # (B,) groups never span ranks
-        mask = batch.response_mask(width)  # (B, T)
+        # ---- 3. advantages (pi_old and pi_ref log-probs first where the KL enters the reward) -------------------
+        keep = dynamic_sampling_keep(batch.rewards, G) if args.dynamic_sampling else torch.ones(B, dtype=torch.bool)
+        keep &= keep.cumsum(0) <= args.sequences_per_step  # re-sampling can overfill: the first P groups
+        rows = keep.nonzero().flatten().tolist()  # the sequences learned on
+        mask = batch.response_mask(width) * keep[:, None]  # (B, T)
         if args.overlong == "mask":
             mask[batch.truncated] = 0
-        keep = dynamic_sampling_keep(batch.rewards, G) if args.dynamic_sampling else torch.ones(B, dtype=torch.bool)
-        rows = keep.nonzero().flatten().tolist()  # the sequences learned on
-        mask, adv, engine_logp, engine_mask = (x.to(d.device) for x in (mask, adv, batch.engine_logp,
-                                                                         batch.engine_mask))
-
-        # ---- 4. learn -----------------------------------------------------------------------------------------
-        show_phase(progress, step, f"learning from {len(rows)} sequences")
+        mask, engine_logp, engine_mask = (x.to(d.device) for x in (mask, batch.engine_logp, batch.engine_mask))
         policy.train()
         prof = Profile(step == args.profile_step, run_dir / f"profile_step{step}")
+        seqs = (batch.prompt_ids, batch.response_ids, rows, d.world_size, d.rank, args.forward_token_budget)
         ref_logp = batch.ref_logp.to(d.device) if ref_early else None  # (B, T)
         if ref is not None and not ref_early and rows:
             with timed(perf, "ref_logp"):
-                ref_logp = sequence_logprobs(ref, batch.prompt_ids, batch.response_ids, rows, d.world_size, d.rank,
-                                             args.forward_token_budget, args.temperature, width, d.device)
+                ref_logp = sequence_logprobs(ref, *seqs, args.temperature, width, d.device)
         old_logp = None  # one optimiser step per rollout: pi_old = pi.detach() (Args.recompute_old_logp)
-        if args.recompute_old_logp and rows:
+        if (args.recompute_old_logp or args.kl_in_reward) and rows:  # --kl-in-reward: the KL of pi_old
             with timed(perf, "old_logp"):
-                old_logp = sequence_logprobs(policy, batch.prompt_ids, batch.response_ids, rows, d.world_size,
-                                             d.rank, args.forward_token_budget, args.temperature, width, d.device)
+                old_logp = sequence_logprobs(policy, *seqs, args.temperature, width, d.device)
+        kl_tok = (kl_penalty(old_logp, ref_logp, args.kl_estimator).detach() * mask if args.kl_in_reward and rows
+                  else torch.zeros_like(mask))  # (B, T) --kl-in-reward: the KL of pi_old per token, a reward penalty
+        adv = advantages(batch.rewards, (-kl_coef * kl_tok).cpu(), mask.cpu(), G, args.adv_estimator,
+                         args.scale_by_std, args.adv_eps).to(d.device)  # (B, T) groups never span ranks
+
+        # ---- 4. learn -----------------------------------------------------------------------------------------
+        show_phase(progress, step, f"learning from {len(rows)} sequences")
         stats = {k: torch.zeros((), device=d.device) for k in  # sums over tokens (and epochs), except gap_max
                  ("pg_loss", "kl", "entropy", "clip_frac", "tokens", "gap_sum", "gap_max", "tis_w")}
         grad_norms = []
@@ -406,8 +483,9 @@ def main(args: Args) -> None:
                 for minibatch in (order[i::args.num_minibatches] for i in range(args.num_minibatches)):
                     if not minibatch:
                         continue
-                    loss = learn_minibatch(policy, plan, batch, minibatch, mask, adv, old_logp, ref_logp,
-                                           engine_logp, engine_mask, args, d, stats)
+                    loss = learn_minibatch(policy, plan, batch, minibatch, mask, adv, old_logp,
+                                           None if args.kl_in_reward else ref_logp, engine_logp, engine_mask, args,
+                                           d, stats, kl_coef)
                     grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
                     if guard.check(grad_norms[-1], float(loss), step):  # non-finite: skip the update, stop after k
                         optimizer.step()
@@ -422,19 +500,24 @@ def main(args: Args) -> None:
         # ---- 6. log -------------------------------------------------------------------------------------------
         stats = {k: D.all_reduce(v, op="max" if k == "gap_max" else "sum") for k, v in stats.items()}
         ntok = float(stats["tokens"].clamp(min=1))
+        kl_sum = float(kl_tok.sum()) * args.num_epochs if args.kl_in_reward else float(stats["kl"])  # like tokens
         metrics = rollout_metrics(batch) | {
             "rollout/groups_dropped": (B - len(rows)) // G, "rollout/sequences_trained": len(rows),
+            "rollout/sampling_rounds": len(parts),
             "train/loss": float(stats["pg_loss"]) / ntok,
             "train/entropy": float(stats["entropy"]) / ntok, "train/clip_frac": float(stats["clip_frac"]) / ntok,
             "train/grad_norm": sum(grad_norms) / max(1, len(grad_norms)), "train/lr": lr,
             "train/optimizer_steps": len(grad_norms), "train/skipped_updates": guard.skipped,
-            **({"train/kl": float(stats["kl"]) / ntok} if ref is not None else {}),
+            **({"train/kl": kl_sum / ntok, "train/kl_coef": kl_coef} if ref is not None else {}),
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
             **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) / ntok,
                 "rollout/logprob_gap_max": float(stats["gap_max"])} if engine_mask.any() else {}),
         } | perf_metrics(perf, t_step, lm.config, batch.lengths, batch.response_len.tolist(), rows,
                          {"ref_logp": (1, False), "old_logp": (1, False), "update": (args.num_epochs, True)},
                          d.world_size, args.peak_flops, d.device)
+        if ref is not None:  # Ziegler et al. 2019: steer the mean per-sequence KL towards --kl-target
+            kl_coef = update_kl_coef(kl_coef, kl_sum / max(1, args.num_epochs * len(rows)), args.kl_target,
+                                     args.kl_horizon, len(rows))
         if step == start and rollout_kind == "vllm" and d.is_main and (hint := engine.resident_hint(perf)):
             print(hint, flush=True)  # once: the engine would fit beside training without sleeping
         tracker.log({k: float(v) for k, v in metrics.items()}, step)
@@ -447,8 +530,8 @@ def main(args: Args) -> None:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
         stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == args.num_steps or (args.save_every and (step + 1) % args.save_every == 0):
-            C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "sampler": sampler.state_dict()},
-                              args.keep_last)
+            C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "sampler": sampler.state_dict(),
+                                                           "kl_coef": kl_coef}, args.keep_last)
         if stopping:
             print(f"[rank {d.rank}] stopped by signal after step {step}; resume with --resume latest", flush=True)
             break

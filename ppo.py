@@ -31,6 +31,8 @@ Deviations from the papers (each is a flag):
   4. The KL reward uses the k1 estimator per token; the adaptive controller (--kl-target > 0) tracks the
      rollout's mean per-sequence KL and updates once per rollout step with n_steps = sequences per step.
   5. The value head starts at zero (V = 0), also from a reward-model checkpoint (its score head is not reused).
+  Variant: dual-clip PPO (Ye et al. 2020, https://arxiv.org/abs/1912.09729): --dual-clip-c c bounds the objective of
+     tokens with A < 0 below by c * A (verl's clip_ratio_c, 3.0); off by default (docs/ppo.md has the formula).
 
 Launch:
   CPU, offline default (SmolLM2-135M-Instruct GGUF + arithmetic task):  python ppo.py
@@ -52,7 +54,7 @@ from torch import nn
 from common import checkpoint as C
 from common import dist as D
 from common.attention import attn_kwargs, register_varlen_attention
-from common.args import RLArgs, cli
+from common.args import LossAgg, RLArgs, cli
 from common.data import PromptSampler
 from common.determinism import set_deterministic
 from common.evaluate import evaluate, log_eval
@@ -94,24 +96,23 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     """epsilon_low: ratio clipped below at 1 - eps_low"""
     clip_eps_high: float = 0.2
     """epsilon_high: ratio clipped above at 1 + eps_high (DAPO clip-higher uses 0.28)"""
+    dual_clip_c: float = 0.0
+    """dual-clip PPO: with A < 0 the objective is bounded below by c * A (0: off; c > 1, verl's default is 3.0)"""
     vf_clip: float = 0.2
     """value clipping: V clipped to old V +- vf_clip in the value loss (0: off)"""
     vf_coef: float = 0.5
     """c1: weight of the value loss (separate critic: it only matters through the critic's grad clipping)"""
     kl_coef: float = 0.05
     """beta: weight of the per-token KL(pi || pi_ref) penalty in the reward (initial value with --kl-target)"""
-    reference: Literal["auto", "sharded", "replicated"] = "auto"
-    """the reference model (kl_coef > 0): sharded like the policy, or a whole copy on every rank, which scores this
-    rank's own rollout before the gather, while slower ranks still generate (its forward runs no collective).
-    auto: replicated with several GPUs when a copy takes under 5 % of one (0.5B-3B on an H200)"""
     kl_target: float = 0.0
     """adaptive KL controller: target per-sequence KL in nats (0: fixed kl_coef; Ziegler et al. used 6)"""
     kl_horizon: int = 10000
     """adaptive KL controller: horizon in sequences (Ziegler et al. 2019)"""
     entropy_coef: float = 0.0
     """weight of the entropy bonus (0: entropy is only logged)"""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """token-mean | seq-mean-token-sum (/ max_new_tokens) | seq-mean-token-mean (each sequence's mean first)"""
+    loss_agg: LossAgg = "token-mean"
+    """token-mean | seq-mean-token-sum-norm (/ max_new_tokens) | seq-mean-token-mean (each sequence's mean first) |
+    seq-mean-token-sum-verl (verl's seq-mean-token-sum); seq-mean-token-sum: old name of seq-mean-token-sum-norm"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm, of the policy and of the critic separately (0: no clipping)"""
     critic_lr: float = 1e-5
@@ -134,18 +135,6 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     @property
     def sequences_per_step(self) -> int:
         return self.prompts_per_step * self.samples_per_prompt
-
-    @property
-    def optimizer_steps_per_rollout(self) -> int:
-        return self.num_minibatches * self.num_epochs
-
-    @property
-    def forward_token_budget(self) -> int:
-        return self.max_tokens_per_forward or 4 * self.max_tokens_per_microbatch
-
-    @property
-    def sequences_per_minibatch(self) -> int:
-        return self.sequences_per_step // self.num_minibatches
 
 
 # ---- pure algorithm functions (tests/test_ppo.py) -----------------------------------------------------------
@@ -219,26 +208,36 @@ def explained_variance(values, returns, mask) -> float:
 
 # Same as grpo.py:kl_penalty
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html)."""
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html). k1+, k3+:
+    the value of k1 / k3 with the gradient of k2 (straight-through, verl's "+" estimators); abs: |log pi/pi_ref|."""
     log_ratio = logp - ref_logp  # log pi/pi_ref
+    if estimator in ("k1+", "k3+"):
+        k2 = 0.5 * log_ratio ** 2
+        return k2 - k2.detach() + kl_penalty(logp, ref_logp, estimator[:2]).detach()
+    if estimator == "abs":
+        return log_ratio.abs()
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
     if estimator == "k3":
         return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
-    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3 (--kl-estimator)")
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3, or k1+, k3+, abs (--kl-estimator)")
 
 
 # Same as grpo.py:clipped_pg_loss
-def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: float):
-    """PPO clipped surrogate per token, -min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A). logp, old_logp: (B, T);
-    adv: (B,). Returns the per-token loss and where the clipped branch was taken (for the clip fraction)."""
+def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: float, dual_clip_c: float = 0.0):
+    """PPO clipped surrogate per token, -min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A), capped at -c A where A < 0
+    (dual-clip PPO, c = dual_clip_c > 0). logp, old_logp: (B, T); adv: (B,) or (B, T). Returns it, and where clipped."""
     ratio = torch.exp(logp - old_logp)
-    adv = adv[:, None]
+    adv = adv[:, None] if adv.dim() == 1 else adv
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * adv
-    return -torch.minimum(unclipped, clipped), (clipped < unclipped)
+    loss, was_clipped = -torch.minimum(unclipped, clipped), clipped < unclipped
+    if dual_clip_c > 0:  # A < 0 and ratio > c: the loss stops growing with the ratio (no gradient)
+        lower = (adv < 0) & (loss > -dual_clip_c * adv)
+        loss, was_clipped = torch.where(lower, -dual_clip_c * adv, loss), was_clipped | lower
+    return loss, was_clipped
 
 
 # Same as grpo.py:loss_normaliser
@@ -248,12 +247,12 @@ def loss_normaliser(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> f
     n_seq = int(mask.any(1).sum())  # sequences with a token in the loss (--overlong mask empties some)
     if loss_agg == "token-mean":
         return float(mask.sum().clamp(min=1))
-    if loss_agg == "seq-mean-token-sum":
+    if loss_agg in ("seq-mean-token-sum-norm", "seq-mean-token-sum"):  # the old name: check_geometry warns
         return float(max(1, n_seq) * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
-    if loss_agg == "seq-mean-token-mean":
-        return float(max(1, n_seq))  # each sequence first averaged over its own tokens
-    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
-                     "seq-mean-token-mean (--loss-agg)")
+    if loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum-verl"):
+        return float(max(1, n_seq))  # each sequence first averaged over its own tokens, or summed (verl)
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum-norm, "
+                     "seq-mean-token-mean or seq-mean-token-sum-verl (--loss-agg)")
 
 
 # Same as grpo.py:aggregate_loss
@@ -262,10 +261,10 @@ def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, no
     if loss_agg == "seq-mean-token-mean":
         per_seq = (loss_tok * mask).sum(1) / mask.sum(1).clamp(min=1)
         return per_seq.sum() / normaliser
-    if loss_agg in ("token-mean", "seq-mean-token-sum"):
+    if loss_agg in ("token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum", "seq-mean-token-sum-verl"):
         return (loss_tok * mask).sum() / normaliser
-    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum or "
-                     "seq-mean-token-mean (--loss-agg)")
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum-norm, "
+                     "seq-mean-token-mean or seq-mean-token-sum-verl (--loss-agg)")
 
 
 # Same as grpo.py:lr_lambda
@@ -319,9 +318,8 @@ def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int],
         logp, entropy, v = (mb.unpack(x, args.max_new_tokens) for x in (logp, entropy, v))  # (b, T)
         i = mb.index  # (b,) this micro-batch's rows (none in a padding micro-batch: a zero loss, same FSDP calls)
         m, old = mask[i], old_logp[i]  # (b, T)
-        # per-token advantages: every token is a row of one for the surrogate shared with grpo.py
-        loss_tok, clipped = (x.view_as(m) for x in clipped_pg_loss(
-            logp.reshape(-1, 1), old.reshape(-1, 1), adv[i].flatten(), args.clip_eps_low, args.clip_eps_high))
+        loss_tok, clipped = clipped_pg_loss(logp, old, adv[i], args.clip_eps_low, args.clip_eps_high,
+                                            args.dual_clip_c)  # per-token advantages (b, T)
         has_engine_logp = engine_mask[i]  # not engine_logp != 0: log 1 = 0 is a log-prob
         if args.tis_cap > 0:  # truncated IS: correct for the engine sampling from a slightly other pi
             w = torch.exp(old - engine_logp[i]).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
@@ -355,8 +353,6 @@ def main(args: Args) -> None:
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 16 * d.world_size
     check_geometry(args, d.world_size, (("samples_per_prompt", 1), ("critic_lr", 0), ("critic_warmup_steps", 0)))
-    if args.kl_target > 0 and args.kl_coef <= 0:
-        raise ValueError("--kl-target needs a starting --kl-coef > 0 (the controller scales it; 0 stays 0)")
     run_dir = Path(args.out_dir) / args.exp_name
     claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")

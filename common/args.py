@@ -1,7 +1,8 @@
 """The flags the training scripts share, as dataclass bases of their Args: flat, so the flags and `args.x` read as if
 each script declared them (tyro: the --help of each script lists them with its own). RunArgs: every script;
-RLArgs: grpo.py and ppo.py (prompts, reward, sampling, optimiser, engine). Algorithm knobs and the batch geometry
-never live here: they are in each script's Args, which can also redeclare a field here to change its default."""
+RLArgs: grpo.py and ppo.py (prompts, reward, sampling, optimiser, engine, where the reference model lives, and the
+derived geometry both compute alike). Algorithm knobs and the batch-geometry flags never live here: they are in
+each script's Args, which can also redeclare a field here to change its default."""
 import dataclasses
 import inspect
 import re
@@ -14,6 +15,11 @@ from common.data import DEFAULT_INSTRUCTION
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs
 from common.vllm_engine import VLLMArgs
+
+
+# --loss-agg of grpo.py and ppo.py (verl's names; the last is the deprecated old name of seq-mean-token-sum-norm)
+LossAgg = Literal["token-mean", "seq-mean-token-sum-norm", "seq-mean-token-mean", "seq-mean-token-sum-verl",
+                  "seq-mean-token-sum"]
 
 
 @dataclass
@@ -127,10 +133,27 @@ class RLArgs(RunArgs):
     attn_impl: str = "varlen"
     """trainer attention: varlen (packed rows, no T x T mask: flash-attn or torch varlen_attn on GPU, per-sequence
     sdpa on CPU; common/attention.py), or sdpa / eager"""
+    reference: Literal["auto", "sharded", "replicated"] = "auto"
+    """the reference model (kl_coef > 0): sharded like the policy, or a whole copy on every rank, which scores this
+    rank's own rollout before the gather, while slower ranks still generate (its forward runs no collective).
+    auto: replicated with several GPUs when a copy takes under 5 % of one (0.5B-3B on an H200)"""
     peak_flops: float = PEAK_FLOPS["H200"]
     """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (H200 as measured; common/flops.py)"""
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)  # sharding: --fsdp.*
     vllm: VLLMArgs = field(default_factory=VLLMArgs)  # the vLLM engine: --vllm.*
+
+    # the derived batch geometry both RL scripts share (each defines sequences_per_step and the flags these read)
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        return self.num_minibatches * self.num_epochs
+
+    @property
+    def sequences_per_minibatch(self) -> int:
+        return self.sequences_per_step // self.num_minibatches
+
+    @property
+    def forward_token_budget(self) -> int:
+        return self.max_tokens_per_forward or 4 * self.max_tokens_per_microbatch
 
 
 def _sections(cls) -> tuple[dict[str, str], dict[str, str]]:

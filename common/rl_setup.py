@@ -2,6 +2,7 @@
 derived geometry for the table printed at start, and the prompts. Each takes the script's Args, whose field names
 the two scripts share (the flags its error messages name)."""
 import math
+import os
 
 import torch
 
@@ -12,7 +13,8 @@ from common.models import resolve_model
 
 SIZES = (("num_steps", 0), ("prompts_per_step", 1), ("eval_size", 0), ("eval_n", 0), ("max_prompt_tokens", 1),
          ("max_new_tokens", 1), ("num_minibatches", 1), ("num_epochs", 1), ("max_tokens_per_microbatch", 1),
-         ("max_tokens_per_forward", 0), ("lr", 0), ("warmup_steps", 0), ("keep_last", 1))  # (flag, least value)
+         ("max_tokens_per_forward", 0), ("lr", 0), ("warmup_steps", 0), ("keep_last", 1),
+         ("kl_horizon", 1))  # (flag, least value)
 
 
 def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
@@ -21,8 +23,21 @@ def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
     for name, least in SIZES + tuple(sizes):
         if not getattr(args, name) >= least:  # `not >=`: NaN fails too
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
-    if args.loss_agg not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        raise ValueError(f"--loss-agg {args.loss_agg!r}: use token-mean, seq-mean-token-sum or seq-mean-token-mean")
+    if args.loss_agg not in ("token-mean", "seq-mean-token-sum-norm", "seq-mean-token-mean", "seq-mean-token-sum-verl",
+                             "seq-mean-token-sum"):
+        raise ValueError(f"--loss-agg {args.loss_agg!r}: use token-mean, seq-mean-token-sum-norm, seq-mean-token-mean "
+                         "or seq-mean-token-sum-verl")
+    if args.loss_agg == "seq-mean-token-sum" and os.environ.get("RANK", "0") == "0":  # the old name keeps its meaning
+        print("--loss-agg seq-mean-token-sum is deprecated: it still means seq-mean-token-sum-norm (each sequence's "
+              "token sum / --max-new-tokens, Dr. GRPO), so this run is unchanged; write seq-mean-token-sum-norm. "
+              "verl's seq-mean-token-sum (the token sum, no division) is --loss-agg seq-mean-token-sum-verl", flush=True)
+    if args.dual_clip_c and not args.dual_clip_c > 1:
+        raise ValueError(f"--dual-clip-c {args.dual_clip_c}: use 0 (off) or a bound c > 1 (verl's default is 3.0)")
+    if (args.kl_target > 0 or getattr(args, "kl_in_reward", False)) and not args.kl_coef > 0:
+        raise ValueError("--kl-target and --kl-in-reward need a --kl-coef > 0 (the controller scales it; 0 stays 0, "
+                         "and kl_coef 0 loads no reference model)")
+    if getattr(args, "dynamic_sampling_max_rounds", 1) > 1 and not args.dynamic_sampling:
+        raise ValueError("--dynamic-sampling-max-rounds > 1 re-samples only with --dynamic-sampling: add it, or drop it")
     if args.prompts_per_step % world_size:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
                          f"({world_size}): each rank generates for its share of the prompts")

@@ -55,7 +55,11 @@ class RolloutBatch:
 
 def gather_rollout(part: RolloutBatch) -> RolloutBatch:
     """Every rank's RolloutBatch, concatenated in rank order, on every rank (token ids and scalars are small)."""
-    parts = D.all_gather_objects(part)
+    return merge_rollouts(D.all_gather_objects(part))
+
+
+def merge_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
+    """RolloutBatches concatenated in order (ranks, or generation rounds); generate_s is the largest."""
     merged = {}
     for f in fields(RolloutBatch):
         values = [getattr(p, f.name) for p in parts]

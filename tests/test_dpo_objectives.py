@@ -1,6 +1,7 @@
 """dpo.py's objectives of issue 25 (hinge, robust, exo_pair, sigmoid_norm), by hand: values, gradients at the start
 (policy = reference), the token counts sigmoid_norm divides by, and bad --loss / --label-smoothing named before the
 model loads. Every test drives dpo.py's own preference_loss / pair_losses / main."""
+import json
 import math
 import os
 import subprocess
@@ -13,7 +14,7 @@ import torch
 import dpo
 from common.dist import Dist
 from common.preference import Pair
-from conftest import ROOT
+from conftest import ROOT, torchrun
 from dpo import Args, pair_losses, preference_loss
 
 t = lambda *x: torch.tensor(x, dtype=torch.float64)
@@ -157,3 +158,26 @@ def test_cli_exo_pair_without_eps_named_before_model(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
     assert p.returncode != 0
     assert "--label-smoothing 0.0 with --loss exo_pair" in p.stderr and "no-such-model" not in p.stderr
+
+
+@pytest.mark.slow
+def test_new_losses_end_to_end_cpu(tmp_path, tiny_model_dir):
+    """`dpo.py --loss sigmoid_norm` and `--loss exo_pair` on one CPU rank: at step 0 the policy is the reference
+    (h = 0), so the train loss is known by hand (log 2; log(1/2) - log(eps (1 - eps)) / 2); then the policy moves."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + {i} =", "chosen": f" {2 * i}.", "rejected": " no" + "!" * i})
+                            + "\n" for i in range(12)))
+    eps = 1e-3
+    for loss, at_start in (("sigmoid_norm", math.log(2)),
+                           ("exo_pair", math.log(0.5) - 0.5 * math.log(eps * (1 - eps)))):
+        out = tmp_path / loss
+        torchrun("dpo.py", "--model", str(tiny_model_dir), "--dataset", str(data), "--loss", loss,
+                 "--label-smoothing", str(eps if loss == "exo_pair" else 0.0), "--pairs-per-step", "4",
+                 "--num-steps", "2", "--eval-every", "0", "--max-length", "64", "--max-tokens-per-microbatch", "256",
+                 "--lr", "1e-2", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), nproc=1)
+        rows = [json.loads(x) for x in (out / "dpo" / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in rows if "train/loss" in r]
+        assert [r["step"] for r in train] == [0, 1]
+        assert train[0]["train/loss"] == pytest.approx(at_start, abs=1e-4), loss
+        assert train[1]["train/loss"] != pytest.approx(at_start, abs=1e-6), loss  # the policy moved
+        assert json.loads((out / "dpo" / "config.json").read_text())["loss"] == loss

@@ -157,14 +157,14 @@ class Args(RunArgs):  # and the run flags of common/args.py
         return self.loss != "simpo"
 
 
-# ---- pure algorithm functions (tests/test_dpo.py) -----------------------------------------------------------
+# ---- pure algorithm functions (tests/test_dpo.py, tests/test_dpo_objectives.py) -----------------------------
 def preference_loss(logp_c, logp_r, ref_c, ref_r, loss: str, beta: float, label_smoothing: float = 0.0,
                     simpo_gamma: float = 0.0) -> torch.Tensor:
     """Per-pair loss (B,). logp_*, ref_*: (B,) response log-probs of chosen / rejected under pi and pi_ref (sums;
     per-token means for sigmoid_norm, ipo and simpo; ref is ignored by simpo). Raises naming a bad --loss or eps."""
     eps = label_smoothing  # the probability that a preference label is flipped
     allowed = {"robust": "[0, 0.5) (rDPO divides by 1 - 2 eps)", "exo_pair": "(0, 1) (EXO takes log eps), e.g. 1e-3"}
-    if not 0 <= eps <= 1 or (loss == "robust" and eps >= 0.5) or (loss == "exo_pair" and eps in (0, 1)):
+    if not 0 <= eps <= 1 or (loss == "robust" and eps >= 0.5) or (loss == "exo_pair" and not 0 < eps < 1):
         raise ValueError(f"--label-smoothing {eps} with --loss {loss}: must be in {allowed.get(loss, '[0, 1]')}")
     if loss == "simpo":  # SimPO eq. 6: reference-free, margin gamma
         logits = beta * (logp_c - logp_r) - simpo_gamma
@@ -177,7 +177,7 @@ def preference_loss(logp_c, logp_r, ref_c, ref_r, loss: str, beta: float, label_
         return torch.relu(1 - logits)
     if loss == "robust":  # rDPO: unbiased for the clean-label DPO loss when each label is flipped with probability eps
         return (-(1 - eps) * F.logsigmoid(logits) + eps * F.logsigmoid(-logits)) / (1 - 2 * eps)
-    if loss == "exo_pair":  # EXO eq. 16: KL(q || p) over {y_w, y_l}, q = softmax(beta h_w, beta h_l), p = [1-eps, eps]
+    if loss == "exo_pair":  # EXO eq. 16: KL(q || p), the policy q = [s(beta h), s(-beta h)], the label p = [1-eps, eps]
         return sum(torch.sigmoid(z) * (F.logsigmoid(z) - math.log(p)) for z, p in ((logits, 1 - eps), (-logits, eps)))
     if loss not in ("sigmoid", "sigmoid_norm", "simpo"):
         raise ValueError(f"--loss {loss!r}: use sigmoid, sigmoid_norm, ipo, simpo, hinge, robust or exo_pair")

@@ -17,7 +17,7 @@ Each step (numbers match the phases in the loop):
   1. forward    both responses of every pair packed into one row per micro-batch: log pi(y_w|x), log pi(y_l|x)
   2. loss       h = [log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)], eps = --label-smoothing
                 sigmoid (DPO):  -(1-eps) log s(beta h) - eps log s(-beta h)     (eps > 0: cDPO)
-                sigmoid_norm:   the same with per-token mean log-probs (length-normalised DPO)
+                sigmoid_norm:   the same (eps too) with per-token mean log-probs (length-normalised DPO)
                 ipo:            (h - 1/(2 beta))^2, with per-token mean log-probs
                 simpo:          -log s(beta (mean log pi(y_w) - mean log pi(y_l)) - gamma), no reference
                 hinge (SLiC):   max(0, 1 - beta h)
@@ -37,7 +37,6 @@ Deviations from the papers (each documented in docs/dpo.md):
      the same (the reference is frozen), see tests/test_dpo.py.
   5. The prompt is computed twice (once per response) rather than shared through a custom attention mask.
   6. hinge is RSO's reference-normalised form of SLiC-HF's (as TRL), without SLiC-HF's cross-entropy regulariser.
-  7. sigmoid_norm takes --label-smoothing as sigmoid does (TRL's takes none: the same at eps = 0).
 
 Launch:
   CPU:     python dpo.py --dataset pairs.jsonl --pairs-per-step 8 --max-length 512
@@ -66,7 +65,7 @@ from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer
 from common.packing import shard_microbatches
 from common.passes import microbatch_rows
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
-                               reference_logprobs, response_logp_sums)
+                               reference_cache_spec, reference_logprobs, response_logp_sums)
 from common.progress import note, show_phase
 from common.rl_setup import resolve_model_once
 from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
@@ -307,11 +306,7 @@ def main(args: Args) -> None:
     # ---- 0. reference log-probs: one pass, cached, then pi_ref is gone ---------------------------------------
     ref_table, ref_status, ref_cache, perf0 = None, "none (simpo is reference-free)", None, {}
     if args.uses_reference and args.ref_cache:
-        spec = {k: getattr(args, k) for k in ("dataset", "dataset_config", "train_split", "eval_split",
-                                              "eval_fraction", "eval_size", "seed", "prompt_field", "chosen_field",
-                                              "rejected_field", "max_length", "logprob_impl", "attn_impl")}
-        spec |= {"chat_template": tok.chat_template, "tokenizer": type(tok).__name__, "device": d.device.type,
-                 "param_dtype": args.fsdp.param_dtype}
+        spec = reference_cache_spec(args, tok, d.device.type)  # the flags and settings the cache key holds
         key = cache_key(ref_path, pairs, spec)
 
         def compute():  # the initial policy is pi_ref unless --ref-model names another
@@ -323,8 +318,7 @@ def main(args: Args) -> None:
         ref_table = ref_table.to(d.device)  # (N, 2) summed log pi_ref of [chosen, rejected]
         ref_cache = f"{args.cache_dir}/{key}.pt"
         ref_status = f"cached ({'hit' if hit else 'computed'}: {ref_cache})"
-        if d.device.type == "cuda":
-            torch.cuda.empty_cache()  # a --ref-model loaded for the pass is gone; hand back its memory
+        torch.cuda.empty_cache()  # a --ref-model loaded for the pass is gone; hand back its memory (no-op on CPU)
     elif args.uses_reference:
         ref_status = "live (--no-ref-cache: pi_ref in memory)"
 

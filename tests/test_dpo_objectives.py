@@ -145,11 +145,26 @@ def test_bad_loss_flags_rejected_before_the_model_loads(monkeypatch, tmp_path, l
         raise AssertionError("the model was loaded before the bad flag was reported")
     monkeypatch.setattr(dpo.D, "init_distributed", lambda device="auto": Dist(0, 1, 0, torch.device("cpu")))
     monkeypatch.setattr(dpo, "resolve_model_once", model_loaded)
-    monkeypatch.setattr(dpo.C, "set_deterministic", lambda flag: None)
     monkeypatch.setattr(dpo.D, "seed_everything", lambda seed: None)
     with pytest.raises(ValueError, match=message):
         dpo.main(Args(loss=loss, label_smoothing=eps, out_dir=str(tmp_path)))
     assert not any(tmp_path.iterdir())  # no run folder claimed either
+
+
+def test_reference_cache_spec_follows_the_data_flags():
+    """common.preference.reference_cache_spec (moved out of dpo.py's main): the same flags give the same spec, a
+    data flag or the chat template changes it; --loss, --beta and --lr (not what pi_ref computes) do not."""
+    from types import SimpleNamespace
+    from common.preference import reference_cache_spec
+    tok = SimpleNamespace(chat_template="T")
+    spec = reference_cache_spec(Args(), tok, "cpu")
+    assert spec == reference_cache_spec(Args(), SimpleNamespace(chat_template="T"), "cpu")
+    assert spec["max_length"] == Args().max_length and spec["device"] == "cpu"
+    for changed in (Args(max_length=7), Args(eval_fraction=0.5), Args(chosen_field="good"), Args(seed=2)):
+        assert reference_cache_spec(changed, tok, "cpu") != spec
+    assert reference_cache_spec(Args(), SimpleNamespace(chat_template="U"), "cpu") != spec
+    assert reference_cache_spec(Args(), tok, "cuda") != spec
+    assert reference_cache_spec(Args(loss="robust", beta=0.5, lr=1.0), tok, "cpu") == spec
 
 
 def test_cli_exo_pair_without_eps_named_before_model(tmp_path):

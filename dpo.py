@@ -59,15 +59,19 @@ from common import checkpoint as C
 from common import dist as D
 from common.args import RunArgs, cli
 from common.data import load_rows
+from common.determinism import set_deterministic
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
 from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer
+from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
 from common.passes import microbatch_rows
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
                                reference_cache_spec, reference_logprobs, response_logp_sums)
 from common.progress import note, show_phase
 from common.rl_setup import resolve_model_once
+from common.run_dir import claim_run_dir
+from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
 from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
 
 
@@ -104,7 +108,7 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """field holding the preferred response (text, messages, or the whole dialogue)"""
     rejected_field: str = "rejected"
     """field holding the dispreferred response"""
-    max_length: int = 1024
+    max_length: int = 256
     """pairs whose prompt + longer response exceed this many tokens are dropped (and counted)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     loss: Literal["sigmoid", "sigmoid_norm", "ipo", "simpo", "hinge", "robust", "exo_pair"] = "sigmoid"
@@ -116,7 +120,7 @@ class Args(RunArgs):  # and the run flags of common/args.py
     simpo_gamma: float = 0.5
     """gamma: SimPO target reward margin"""
     lr: float = 1e-5
-    """AdamW learning rate (the default moves the 135M default model within 24 steps; ~5e-7 for 1B+ models)"""
+    """AdamW learning rate (CPU default for the 135M model's 24 steps; runs/dpo_hh_smollm2.sh uses 1e-6 on a GPU)"""
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     """after warm-up: constant, or cosine decay to 10% over the run"""
     warmup_steps: int = 0
@@ -132,8 +136,9 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """pairs per optimiser step, over all ranks (the loss is their mean)"""
     num_epochs: int = 1
     """passes over the train pairs (when --num-steps is 0)"""
-    max_tokens_per_microbatch: int = 8192
-    """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch"""
+    max_tokens_per_microbatch: int = 1024
+    """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch (CPU-sized
+    default: sdpa attends over the whole packed row, so its cost grows with its square; 8192+ on a GPU)"""
     # ---- infrastructure ----------------------------------------------------------------------------------
     ref_cache: bool = True
     """cache reference log-probs on disk; --no-ref-cache keeps pi_ref in memory and computes them live"""
@@ -247,7 +252,7 @@ def evaluate(policy, pairs, ids, ref_table, ref_model, args, d) -> dict:
 
 def main(args: Args) -> None:
     d = D.init_distributed(args.device)
-    C.set_deterministic(args.deterministic)
+    set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
     for name, least in (("num_steps", 0), ("pairs_per_step", 1), ("num_epochs", 1), ("eval_size", 0),
@@ -265,7 +270,7 @@ def main(args: Args) -> None:
         raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
                          "leave it unset to hold out --eval-fraction")
     run_dir = Path(args.out_dir) / args.exp_name
-    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
+    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
 
     # ---- models and optimiser ------------------------------------------------------------------------------
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF once
@@ -339,7 +344,7 @@ def main(args: Args) -> None:
             raise ValueError(f"--resume {resume_from}: that run trained against the reference log-probs "
                              f"{extra['ref_cache']}, this one has {ref_cache}: the pairs, the reference model or the "
                              "flags in the cache key differ from that run's")
-    stop, guard = C.install_stop_handler(), C.NanGuard(args.max_bad_updates, ckpt_root)
+    stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "model_path": model_path, "ref_model_path": ref_path,
                               "train_pairs": len(train), "train_pairs_dropped": dropped, "eval_pairs": len(evals),
                               "eval_pairs_dropped": eval_dropped, "num_steps_resolved": num_steps,
@@ -420,7 +425,7 @@ def main(args: Args) -> None:
         # ---- 5. evaluate, 6. checkpoint -----------------------------------------------------------------------
         if evaluating and (step + 1) % args.eval_every == 0 and step + 1 < num_steps:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
-        stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
+        stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == num_steps or (args.save_every and (step + 1) % args.save_every == 0):
             data = {"epoch": epoch, "position": position}  # ref_cache: the DPO reference cache pointer
             C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "data": data, "ref_cache": ref_cache},
@@ -436,7 +441,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
-    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
+    exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

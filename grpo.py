@@ -43,9 +43,11 @@ from common import dist as D
 from common.attention import attn_kwargs, register_varlen_attention
 from common.args import RLArgs, cli
 from common.data import PromptSampler
+from common.determinism import set_deterministic
 from common.evaluate import evaluate, log_eval
 from common.fsdp import clip_grad_norm, place_frozen, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer
+from common.nan_guard import NanGuard
 from common.passes import microbatches, rollout_logprobs, sequence_logprobs
 from common.perf import perf_metrics
 from common.progress import show_phase
@@ -53,6 +55,8 @@ from common.rewards import load_reward_fn
 from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, resolve_model_once
 from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, rollout_metrics, sample_rows,
                             score_rollout, step_line, sync_engine)
+from common.run_dir import claim_run_dir
+from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
 from common.tracking import Profile, Progress, make_tracker, print_table, timed, to_dict
 
 
@@ -66,7 +70,7 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     """sampling temperature; the trainer's log-probs use the same temperature (0.7: the 135M default model is right
     more often than at 1.0, so groups have reward variance)"""
     lr: float = 2e-5
-    """AdamW learning rate (the default moves the 135M default model within 10 steps; ~1e-6 for 1B+ models)"""
+    """AdamW learning rate (CPU default: moves the 135M default model within 10 steps; runs/ recipes set their own)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     group_size: int = 8
     """G: completions sampled per prompt"""
@@ -265,7 +269,7 @@ def learn_minibatch(policy, plan, batch: RolloutBatch, rows: list[int], mask, ad
 
 def main(args: Args) -> None:
     d = D.init_distributed(args.device)
-    C.set_deterministic(args.deterministic)
+    set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
     register_varlen_attention()  # makes --attn-impl varlen known to transformers
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
@@ -277,7 +281,7 @@ def main(args: Args) -> None:
         raise ValueError(f"--kl-estimator {args.kl_estimator!r}: use k1, k2 or k3")
     check_geometry(args, d.world_size)
     run_dir = Path(args.out_dir) / args.exp_name
-    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
+    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
@@ -311,7 +315,7 @@ def main(args: Args) -> None:
         extra = C.load_checkpoint(resume_from, state)
         start = extra["step"]
         sampler.load_state_dict(extra["sampler"])
-    stop, guard = C.install_stop_handler(), C.NanGuard(args.max_bad_updates, ckpt_root)
+    stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind, "model_path": model_path,
                               "train_prompts": len(train), "train_prompts_dropped_too_long": dropped,
                               "resumed_from": str(resume_from or "")}
@@ -441,7 +445,7 @@ def main(args: Args) -> None:
         # ---- 7. evaluate, 8. checkpoint -----------------------------------------------------------------------
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.num_steps:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
-        stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
+        stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == args.num_steps or (args.save_every and (step + 1) % args.save_every == 0):
             C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "sampler": sampler.state_dict()},
                               args.keep_last)
@@ -456,7 +460,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
-    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
+    exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

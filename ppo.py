@@ -54,9 +54,11 @@ from common import dist as D
 from common.attention import attn_kwargs, register_varlen_attention
 from common.args import RLArgs, cli
 from common.data import PromptSampler
+from common.determinism import set_deterministic
 from common.evaluate import evaluate, log_eval
 from common.fsdp import clip_grad_norm, place_frozen, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer
+from common.nan_guard import NanGuard
 from common.passes import microbatches, rollout_logprobs, sequence_logprobs, sequence_values
 from common.perf import perf_metrics
 from common.progress import show_phase
@@ -64,6 +66,8 @@ from common.rewards import load_reward_fn
 from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, resolve_model_once
 from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, rollout_metrics, sample_rows,
                             score_rollout, step_line, sync_engine)
+from common.run_dir import claim_run_dir
+from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
 from common.tracking import Progress, make_tracker, print_table, timed, to_dict
 
 
@@ -345,7 +349,7 @@ def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int],
 
 def main(args: Args) -> None:
     d = D.init_distributed(args.device)
-    C.set_deterministic(args.deterministic)
+    set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
     register_varlen_attention()  # makes --attn-impl varlen known to transformers
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
@@ -354,7 +358,7 @@ def main(args: Args) -> None:
     if args.kl_target > 0 and args.kl_coef <= 0:
         raise ValueError("--kl-target needs a starting --kl-coef > 0 (the controller scales it; 0 stays 0)")
     run_dir = Path(args.out_dir) / args.exp_name
-    C.claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
+    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
@@ -400,7 +404,7 @@ def main(args: Args) -> None:
         extra = C.load_checkpoint(resume_from, state)
         start, kl_coef = extra["step"], extra["kl_coef"]
         sampler.load_state_dict(extra["sampler"])
-    stop, guard = C.install_stop_handler(), C.NanGuard(args.max_bad_updates, ckpt_root)
+    stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind, "model_path": model_path,
                               "critic_path": critic_path, "train_prompts": len(train),
                               "train_prompts_dropped_too_long": dropped, "resumed_from": str(resume_from or "")}
@@ -549,7 +553,7 @@ def main(args: Args) -> None:
         # ---- 7. evaluate, 8. checkpoint -----------------------------------------------------------------------
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.num_steps:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
-        stopping = C.stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
+        stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
         if stopping or step + 1 == args.num_steps or (args.save_every and (step + 1) % args.save_every == 0):
             C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "sampler": sampler.state_dict(),
                                                            "kl_coef": kl_coef}, args.keep_last)
@@ -564,7 +568,7 @@ def main(args: Args) -> None:
     progress.close()
     tracker.finish()
     D.cleanup()
-    C.exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
+    exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
 
 
 if __name__ == "__main__":

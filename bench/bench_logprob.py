@@ -1,15 +1,19 @@
 """Benchmark selected-token log-prob + entropy of an LM head (kernels/logprob.py) on one GPU.
 
 Compares, at N tokens, hidden size H, vocabulary V (default a Qwen2.5-7B head, 32k tokens, bf16):
-  ours    token_logprobs(impl="fused"), once per variant (kernels.logprob.VARIANT: "triton" GEMM
+  ours    token_logprobs(impl="fused"), once per variant (its `variant` argument: "triton" GEMM
           kernels with fused epilogues, "cublas" cuBLAS GEMMs into fp32 blocks + streaming Triton
-          kernels) and per workspace budget (kernels.logprob.WORKSPACE_BYTES), rows named
+          kernels) and per workspace budget (its `workspace_mb` argument), rows named
           variant/budget
+  loss    token_loss(impl="fused"): the loss sum(g_lp logp + g_ent entropy) with its gradient computed
+          inside the forward (3 GEMMs), per workspace budget, rows loss/budget; loss-grpo/budget times
+          a loss shaped like grpo.py's policy_loss (clipped ratio, k3 KL, entropy bonus) instead
   matmul  the bare matmuls, the floor: h @ W^T forward; dlogits @ W and dlogits^T @ h backward
   liger   Liger-Kernel's LigerFusedLinearCrossEntropyLoss (log-prob only, no entropy; it computes
           its gradients during the forward, so its "fwd" already holds most of the backward's work)
   naive   torch: logits, fp32 log_softmax, gather, entropy (materialises N x V several times)
-Times are triton.testing.do_bench medians (ms). Memory, from the peak allocated during one
+Times are triton.testing.do_bench medians (ms); "host ms" is the CPU time to issue one forward+backward
+(near the fwd+bwd time: the GPU waits on the host). Memory, from the peak allocated during one
 forward+backward above what was allocated before it (the inputs): "workspace" leaves out the
 gradients dh and dW that every implementation returns; "total" counts them.
 Each variant/budget is also checked against an fp32 reference on the whole problem (computed in row
@@ -19,9 +23,12 @@ next to the error of rounding the reference itself to the input dtype once (the 
     python bench/bench_logprob.py                                    # N=32768 H=3584 V=152064 bf16
     python bench/bench_logprob.py --variants triton,cublas --budgets-mb 320,1024 --profile
     python bench/bench_logprob.py --N 4096 --V 32000 --skip naive,liger,check
+    python bench/bench_logprob.py --variants cublas,loss,loss-grpo --budgets-mb 320,1024   # issue 29
+    python bench/bench_logprob.py --variants loss --budgets-mb 320 --loss-sub 128,256 --skip naive,check
 """
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -30,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import kernels.logprob as klp  # noqa: E402
-from kernels.logprob import logprob_reference, token_logprobs  # noqa: E402
+from kernels.logprob import logprob_reference, token_logprobs, token_loss  # noqa: E402
 
 
 def naive(h, w, t, temperature):
@@ -41,13 +48,47 @@ def naive(h, w, t, temperature):
     return logp, ent
 
 
-def ours(h, w, t, temperature):
-    return token_logprobs(h, w, t, temperature, impl="fused")
+def ours(variant, budget_mb):
+    """token_logprobs with these kernel settings, called as fn(h, w, t, temperature)."""
+    return lambda h, w, t, temperature: token_logprobs(h, w, t, temperature, impl="fused", variant=variant,
+                                                       workspace_mb=budget_mb)
 
 
-def set_variant(variant, budget_mb):
-    klp.VARIANT = variant
-    klp.WORKSPACE_BYTES = budget_mb << 20
+def linear_loss(logp, entropy, g_lp, g_ent):
+    """The loss whose gradient the other rows backpropagate: same work, same check."""
+    return g_lp * logp + g_ent * entropy
+
+
+def grpo_shaped_loss(logp, entropy, adv, old_logp, ref_logp, weight):
+    """Shaped like grpo.py's policy_loss (clip 0.2, k3 KL 0.04, entropy bonus 0.01, token weights): the
+    host cost of a realistic loss_fn and its autograd, per logits sub-block."""
+    ratio = torch.exp(logp - old_logp)
+    pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    log_ratio = logp - ref_logp
+    kl = torch.exp(-log_ratio) - 1 + log_ratio
+    return (pg + 0.04 * kl - 0.01 * entropy) * weight
+
+
+def fused_loss(budget_mb, loss_fn, token_args):
+    """token_loss with this loss, called as fn(h, w, t, temperature) -> (loss, logp, entropy)."""
+    return lambda h, w, t, temperature: token_loss(h, w, t, loss_fn, token_args, temperature, impl="fused",
+                                                   workspace_mb=budget_mb)
+
+
+def with_sub(fn, sub):
+    """fn with token_loss's fp32 logits sub-blocks forced to `sub` rows (a sweep; None: its own choice)."""
+    if sub is None:
+        return fn
+
+    def forced(*a):
+        real = klp._loss_tiles
+        klp._loss_tiles = functools.partial(real, sub=sub)
+        try:
+            return fn(*a)
+        finally:
+            klp._loss_tiles = real
+
+    return forced
 
 
 def make_liger():
@@ -64,7 +105,8 @@ def make_liger():
     return liger
 
 
-def bench(name, fn, h, w, t, g, temperature, rep):
+def bench(name, fn, h, w, t, g, temperature, rep, terminal=False):
+    """terminal: fn returns (loss, ...) and fwd+bwd is loss.backward(); else its outputs times g."""
     from triton.testing import do_bench
 
     def fwd():
@@ -73,7 +115,7 @@ def bench(name, fn, h, w, t, g, temperature, rep):
 
     def fwd_bwd():
         outs = fn(h, w, t, temperature)
-        loss = sum((o * gi).sum() for o, gi in zip(outs, g))
+        loss = outs[0] if terminal else sum((o * gi).sum() for o, gi in zip(outs, g))
         loss.backward()
 
     row = {"name": name}
@@ -96,6 +138,15 @@ def bench(name, fn, h, w, t, g, temperature, rep):
         row["fwd_ms"] = do_bench(fwd, warmup=50, rep=rep, return_mode="median")
         row["fwd_bwd_ms"] = do_bench(fwd_bwd, warmup=50, rep=rep, grad_to_none=[h, w],
                                      return_mode="median")
+        host = []
+        for _ in range(5):
+            h.grad = w.grad = None
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fwd_bwd()
+            host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        row["host_ms"] = sorted(host)[2]
     except torch.OutOfMemoryError:
         row["error"] = "OOM"
     except Exception as e:  # keep going: the other rows are still worth printing
@@ -116,6 +167,17 @@ def bench_matmuls(h, w, rep):
     dl = None  # (N, V) freed before empty_cache
     torch.cuda.empty_cache()
     return {"name": "matmul", "fwd_ms": fwd, "fwd_bwd_ms": fwd + bwd}
+
+
+def grpo_constants(h, t, N):
+    """Per-token constants for grpo_shaped_loss: advantages, old and reference log-probs near the policy's
+    (ratios on both sides of the clip range), token weights (mask / token count)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    adv = torch.randn(N, device="cuda", generator=gen)
+    old_logp = -3 + 0.3 * torch.randn(N, device="cuda", generator=gen)
+    ref_logp = old_logp + 0.1 * torch.randn(N, device="cuda", generator=gen)
+    weight = (t != klp.IGNORE_INDEX).float() / N
+    return adv, old_logp, ref_logp, weight
 
 
 def reference(h, w, t, g, temperature, rows=2048):
@@ -139,11 +201,15 @@ def rel_errors(got, want):
     return (d.abs().max() / want.abs().max()).item(), (d.norm() / want.norm()).item()
 
 
-def check(h, w, t, g, temperature, ref):
+def check(fn, h, w, t, g, temperature, ref, terminal=False):
     hs = h.detach().clone().requires_grad_()
     ws = w.detach().clone().requires_grad_()
-    logp, ent = ours(hs, ws, t, temperature)
-    (logp * g[0] + ent * g[1]).sum().backward()
+    if terminal:  # fn's loss is sum(g_lp logp + g_ent entropy)
+        loss, logp, ent = fn(hs, ws, t, temperature)
+        loss.backward()
+    else:
+        logp, ent = fn(hs, ws, t, temperature)
+        (logp * g[0] + ent * g[1]).sum().backward()
     r_lp, r_ent, r_dh, r_dw = ref
     errs = ((logp - r_lp).abs().max().item(), (ent - r_ent).abs().max().item(),
             *rel_errors(hs.grad, r_dh), *rel_errors(ws.grad, r_dw))
@@ -158,8 +224,11 @@ def main():
     p.add_argument("--V", type=int, default=152064, help="vocabulary size")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--variants", default="triton,cublas", help="kernels.logprob.VARIANT values")
+    p.add_argument("--variants", default="triton,cublas,loss,loss-grpo",
+                   help="values of token_logprobs's variant argument; loss, loss-grpo: token_loss")
     p.add_argument("--budgets-mb", default="320", help="comma-separated workspace budgets (MB)")
+    p.add_argument("--loss-sub", default="", help="comma-separated fp32 logits sub-block rows for the "
+                   "loss variants, one row each (default: token_loss's own choice)")
     p.add_argument("--rep", type=int, default=500, help="do_bench repetition time (ms)")
     p.add_argument("--skip", default="", help="comma-separated: naive,liger,matmul,check")
     p.add_argument("--profile", action="store_true", help="torch.profiler of the fastest of ours")
@@ -190,40 +259,53 @@ def main():
               f"dh max {floor[0][0]:.1e} norm {floor[0][1]:.1e} | dW max {floor[1][0]:.1e} "
               f"norm {floor[1][1]:.1e}", flush=True)
 
-    print(f"{'impl':16s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'workspace GB':>13s} "
-          f"{'total GB':>9s} {'fwd GB':>7s}", flush=True)
+    print(f"{'impl':22s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'workspace GB':>13s} "
+          f"{'total GB':>9s} {'fwd GB':>7s} {'host ms':>8s}", flush=True)
     rows = []
 
     def report(r, note=""):
         rows.append(r)
         if "error" in r:
-            print(f"{r['name']:16s} {r['error']}", flush=True)
+            print(f"{r['name']:22s} {r['error']}", flush=True)
             return
-        mem = (f"{r['ws_gb']:13.3f} {r['mem_gb']:9.3f} {r['fwd_mem_gb']:7.3f}" if "mem_gb" in r
-               else f"{'-':>13s} {'-':>9s} {'-':>7s}")
-        print(f"{r['name']:16s} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:11.2f} {mem} {note}",
+        mem = (f"{r['ws_gb']:13.3f} {r['mem_gb']:9.3f} {r['fwd_mem_gb']:7.3f} {r['host_ms']:8.1f}"
+               if "mem_gb" in r else f"{'-':>13s} {'-':>9s} {'-':>7s} {'-':>8s}")
+        print(f"{r['name']:22s} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:11.2f} {mem} {note}",
               flush=True)
 
+    g_grpo = grpo_constants(h, t, N)
     for variant in args.variants.split(","):
-        if variant == "cublas" and h.dtype != torch.float32:
+        if variant not in ("triton", "cublas", "loss", "loss-grpo"):
+            sys.exit(f"--variants: unknown {variant!r}; use triton, cublas, loss, loss-grpo")
+        if variant != "triton" and h.dtype != torch.float32:
             klp._mm_fp32(h.detach()[:8], w.detach()[:8].t(), torch.empty(8, 8, device="cuda"))
             if not klp._MM_FP32[("cuda", h.dtype)][0]:
-                print("skipping cublas: this torch has no mm(out_dtype=float32) on CUDA, and "
+                print(f"skipping {variant}: this torch has no mm(out_dtype=float32) on CUDA, and "
                       "the fp32-copy fallback is far too slow to time here", flush=True)
                 continue
-        for mb in (int(x) for x in args.budgets_mb.split(",")):
-            set_variant(variant, mb)
-            name = f"{variant}/{mb}MB"
-            el = h.element_size() + (4 if variant == "cublas" else 0)
-            rb, cb = klp._bwd_tiles(N, V, H, el, klp.WORKSPACE_BYTES, 128)
-            rf, cf = klp._fwd_tiles(N, V, klp.WORKSPACE_BYTES, 128)
-            row = bench(name, ours, h, w, t, g, args.temperature, args.rep)
-            row.update(variant=variant, mb=mb)
-            report(row, f"bwd blocks {rb}x{cb} (dW rounded {-(-N // rb)}x)"
+        terminal = variant.startswith("loss")
+        subs = [int(x) for x in args.loss_sub.split(",") if x] if terminal else []
+        for mb, sub in ((int(x), sub) for x in args.budgets_mb.split(",") for sub in subs or [None]):
+            name = f"{variant}/{mb}MB" + (f"/sub{sub}" if sub else "")
+            if terminal:
+                fn = with_sub(fused_loss(mb, *((linear_loss, g) if variant == "loss" else (grpo_shaped_loss, g_grpo))),
+                              sub)
+                rb, sb = klp._loss_tiles(N, V, h.element_size(), mb << 20, 128, sub)
+                note = f"blocks {rb}x{V}, fp32 logits {sb}x{V} (dW rounded {-(-N // rb)}x)"
+            else:
+                fn = ours(variant, mb)
+                el = h.element_size() + (4 if variant == "cublas" else 0)
+                rb, cb = klp._bwd_tiles(N, V, H, el, mb << 20, 128)
+                rf, cf = klp._fwd_tiles(N, V, mb << 20, 128)
+                note = (f"bwd blocks {rb}x{cb} (dW rounded {-(-N // rb)}x)"
                         + (f", fwd blocks {rf}x{cf}" if variant == "cublas" else ""))
-            if ref is not None and "error" not in row:
+            row = bench(name, fn, h, w, t, (torch.ones((), device="cuda"),) if terminal else g,
+                        args.temperature, args.rep, terminal)
+            row.update(variant=variant, mb=mb, fn=fn, terminal=terminal)
+            report(row, note)
+            if ref is not None and "error" not in row and variant != "loss-grpo":
                 try:
-                    print(f"  check {name}: {check(h, w, t, g, args.temperature, ref)}",
+                    print(f"  check {name}: {check(fn, h, w, t, g, args.temperature, ref, terminal)}",
                           flush=True)
                 except Exception as e:
                     print(f"  check {name} failed: {type(e).__name__}: {e}", flush=True)
@@ -269,11 +351,11 @@ def main():
     if args.profile and mine:
         from torch.profiler import ProfilerActivity, profile
 
-        set_variant(best["variant"], best["mb"])
+        fn = best["fn"]
 
         def step():
-            outs = ours(h, w, t, args.temperature)
-            (outs[0] * g[0] + outs[1] * g[1]).sum().backward()
+            outs = fn(h, w, t, args.temperature)
+            (outs[0] if best["terminal"] else (outs[0] * g[0] + outs[1] * g[1]).sum()).backward()
             h.grad = w.grad = None
 
         step()

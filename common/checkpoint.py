@@ -1,4 +1,5 @@
-"""Checkpoints: atomic sharded saves (torch.distributed.checkpoint), resume, clean stops, NaN guard, HF export.
+"""Checkpoint I/O: atomic sharded saves (torch.distributed.checkpoint), resume, HF export. Clean stops are
+common/stop.py, the non-finite guard common/nan_guard.py, the run folder's lock common/run_dir.py.
 
     ckpt_root = run_dir / "checkpoints"
     start = resolve_resume(args.resume, ckpt_root)           # "" | "latest" | a step_NNNNNN folder
@@ -11,21 +12,15 @@
 A checkpoint folder `step_000012` holds the state after 12 completed steps: DCP shards of every (model, optimiser)
 pair and of the other stateful objects (LR scheduler), `extra.json` (rank 0's plain dict: data position, algorithm
 state), `rng_rank{r}.pt` per rank, and `COMPLETE` (a JSON manifest) written last. Only folders with COMPLETE count.
-Layout and failure behaviour: docs/checkpoints.md. Standalone export:
-    python -m common.checkpoint export --checkpoint runs_out/grpo/checkpoints/step_000010 --model <orig> --out DIR
+Layout and failure behaviour: docs/checkpoints.md. Standalone export (tools/export.py):
+    python -m tools.export --checkpoint runs_out/grpo/checkpoints/step_000010 --model <orig> --out DIR
 """
-import argparse
-import atexit
 import errno
 import json
-import math
-import os
 import random
 import re
 import shutil
-import signal
 import socket
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -116,86 +111,6 @@ def resolve_resume(arg: str, ckpt_root: Path) -> Path | None:
     if path is None and _rank_world()[0] == 0:
         print(f"no checkpoint{' under ' + str(ckpt_root) if arg else ''}, starting fresh", flush=True)
     return path
-
-
-# ---------------------------------------------------------------------------- the run folder: one run at a time
-LOCK = "run.lock"
-STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: a run stopped by a signal (checkpoint written) is not a finished one
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def _lock_run_dir(run_dir: Path) -> str:
-    """Create run_dir/run.lock naming this process (host, pid, start time); "" or an error. A lock of a dead pid on
-    this host is taken over with a message; a live one, or one from another host, is refused."""
-    lock = run_dir / LOCK
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "start": time.strftime("%Y-%m-%d %H:%M:%S"),
-          "argv": sys.argv}
-    for _ in range(3):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                held = json.loads(lock.read_text())
-            except (OSError, ValueError):
-                held = {}
-            if held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"]):
-                print(f"{lock}: taking over the stale lock of pid {held['pid']} (started {held.get('start')}), "
-                      "which is no longer running", flush=True)
-                lock.unlink(missing_ok=True)
-                continue
-            return (f"{run_dir} is in use by another run: {lock} names host {held.get('host', '?')}, pid "
-                    f"{held.get('pid', '?')}, started {held.get('start', '?')}; wait for it, stop it, or pick "
-                    f"another --exp-name / --out-dir (delete {lock} only if that run is gone)")
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(me))
-        atexit.register(_unlock, lock, os.getpid())
-        return ""
-    return f"{lock}: could not take the lock; remove it if no run uses {run_dir}"
-
-
-def _unlock(lock: Path, pid: int) -> None:
-    try:
-        if json.loads(lock.read_text()).get("pid") == pid and pid == os.getpid():
-            lock.unlink()
-    except (OSError, ValueError):
-        pass
-
-
-def claim_run_dir(run_dir: Path, resume: str, overwrite: bool) -> None:
-    """Lock the run folder for this run and refuse to start fresh over an earlier run's metrics or checkpoints
-    unless --resume or --overwrite (which deletes its checkpoints) is given. A collective: rank 0 checks, every
-    rank raises the same error. The lock is released when the process exits."""
-    error = ""
-    if _rank_world()[0] == 0:
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        error = _lock_run_dir(run_dir)
-        if not error and not resume:
-            metrics, ckpts = run_dir / "metrics.jsonl", run_dir / "checkpoints"
-            rows = sum(1 for _ in open(metrics)) if metrics.is_file() else 0
-            steps = sorted(p.name for p in ckpts.glob("*step_*")) if ckpts.is_dir() else []
-            if (rows or steps) and not overwrite:
-                there = ", ".join(([f"metrics.jsonl with {rows} rows"] if rows else []) +
-                                  ([f"checkpoints {', '.join(steps)}"] if steps else []))
-                error = (f"{run_dir} already holds a run ({there}): pass --resume latest to continue it, --overwrite "
-                         "to delete it and start fresh, or another --exp-name / --out-dir")
-                _unlock(run_dir / LOCK, os.getpid())
-            elif overwrite and (rows or steps):
-                print(f"--overwrite: deleting the earlier run's checkpoints in {run_dir} ({len(steps)} folders); "
-                      "its metrics.jsonl and samples.jsonl start over", flush=True)
-                shutil.rmtree(ckpts, ignore_errors=True)
-    error = D.broadcast_object(error)
-    if error:
-        raise CheckpointError(error)
 
 
 # ---------------------------------------------------------------------------- what goes into a checkpoint
@@ -388,92 +303,6 @@ def load_checkpoint(path: Path, state: dict, restore_rng: bool = True) -> dict:
     return extra
 
 
-# ---------------------------------------------------------------------------- clean stops, determinism, NaNs
-
-
-class StopFlag:
-    requested: bool = False  # a signal reached this rank
-    stopped: bool = False  # stop_agreed() returned True: every rank stops after this step
-
-
-def install_stop_handler() -> StopFlag:
-    """SIGTERM / SIGINT set flag.requested, so the loop can finish its step, checkpoint and exit; a second signal
-    stops at once. torchrun forwards SIGTERM to every worker and kills them ~30 s later: the save must fit."""
-    flag = StopFlag()
-
-    def handler(signum, frame):
-        if flag.requested:  # second Ctrl-C: give up on the clean stop
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        flag.requested = True
-        print(f"[rank {_rank_world()[0]}] {signal.Signals(signum).name}: stopping after this step "
-              "(checkpoint, then exit); send it again to stop now", flush=True)
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return flag
-
-
-def stop_agreed(flag: StopFlag) -> bool:
-    """True on every rank when any rank was asked to stop (an all-reduce max: call it on every rank, every step)."""
-    flag.stopped = bool(D.all_reduce(float(flag.requested), op="max") > 0)
-    return flag.stopped
-
-
-def exit_if_stopped(flag: StopFlag) -> None:
-    """At the very end of main: a run stopped by a signal exits with STOPPED_EXIT_CODE (143 = 128 + SIGTERM), so a
-    scheduler can tell a pre-empted run (checkpoint written, resume it) from a finished one (exit 0)."""
-    if flag.stopped:
-        print(f"[rank {_rank_world()[0]}] exiting with code {STOPPED_EXIT_CODE} (stopped by a signal, not finished)",
-              flush=True)
-        sys.exit(STOPPED_EXIT_CODE)
-
-
-def set_deterministic(on: bool) -> None:
-    """--deterministic: deterministic kernels where torch has them (warn where not), no cuDNN autotuning. Call it
-    before the first CUDA matmul (cuBLAS reads CUBLAS_WORKSPACE_CONFIG once). vLLM sampling is not covered."""
-    if on:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(on, warn_only=True)
-    torch.backends.cudnn.deterministic = on
-    torch.backends.cudnn.benchmark = not on and torch.backends.cudnn.benchmark
-
-
-def all_finite(*values: float) -> bool:
-    """True on every rank when every value is finite on every rank (an all-reduce: call it on every rank)."""
-    bad = float(not all(math.isfinite(float(v)) for v in values))
-    return bool(D.all_reduce(bad, op="max") == 0)
-
-
-class NanGuard:
-    """Skip optimiser steps whose loss or gradient norm is not finite; stop after max_consecutive in a row.
-
-        if guard.check(grad_norm, loss, step): optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    """
-
-    def __init__(self, max_consecutive: int = 3, ckpt_root: Path | None = None):
-        self.max_consecutive, self.ckpt_root = max_consecutive, ckpt_root
-        self.consecutive = 0
-        self.skipped = 0  # total, for logging
-
-    def check(self, grad_norm: float, loss: float, step: int | None = None) -> bool:
-        """True: take the step. False: skip it (non-finite on some rank). Raises after max_consecutive skips."""
-        if all_finite(grad_norm, loss):
-            self.consecutive = 0
-            return True
-        self.consecutive += 1
-        self.skipped += 1
-        if self.consecutive >= self.max_consecutive:
-            last = latest_checkpoint(self.ckpt_root) if self.ckpt_root is not None else None
-            raise RuntimeError(
-                f"{self.consecutive} consecutive non-finite updates (loss {float(loss):g}, grad norm "
-                f"{float(grad_norm):g}) at step {step}: stopping; lower --lr or check the data; last good "
-                f"checkpoint: {last if last is not None else 'none'}")
-        return False
-
-
 # ---------------------------------------------------------------------------- Hugging Face export
 
 
@@ -599,28 +428,3 @@ def load_for_export(checkpoint: Path, model_path: str, key: str = "policy") -> n
     if value:
         model.config.value_head_bias = float(bias)  # HF's score has no bias: V = score(h) + value_head_bias
     return model
-
-
-def _main() -> None:
-    p = argparse.ArgumentParser(prog="python -m common.checkpoint", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="write a DCP checkpoint's model as a Hugging Face folder")
-    e.add_argument("--checkpoint", required=True, help="a step_NNNNNN folder (with COMPLETE)")
-    e.add_argument("--model", required=True, help="the --model the run started from (config and tokenizer)")
-    e.add_argument("--out", required=True, help="output folder (replaced if it exists)")
-    e.add_argument("--key", default="policy", help="which model of the checkpoint (policy, critic, ...)")
-    e.add_argument("--dtype", default="keep", choices=["keep", "bfloat16", "float16", "float32"],
-                   help="dtype of the written weights (keep: fp32 master weights)")
-    a = p.parse_args()
-    from transformers import AutoTokenizer
-
-    from common.models import resolve_model
-    model_path = resolve_model(a.model)
-    model = load_for_export(Path(a.checkpoint), model_path, a.key)
-    dtype = None if a.dtype == "keep" else getattr(torch, a.dtype)
-    out = export_hf(model, AutoTokenizer.from_pretrained(model_path), None, Path(a.out), dtype=dtype)
-    print(f"wrote {out} from {a.checkpoint} ({a.key})")
-
-
-if __name__ == "__main__":
-    _main()

@@ -172,3 +172,8 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 before init_distributed, or as plain python)."""
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -30,9 +30,14 @@ def _locate_pip_file(spec: str) -> Path:
     return path
 
 
+CONVERTER = "2"  # 2: the tokenizer's eos/pad from the GGUF's config (1 kept transformers' <|im_start|> eos)
+
+
 def _gguf_to_folder(gguf: Path) -> Path:
     """Dequantize a GGUF checkpoint once into an ordinary HF folder (cached; written atomically)."""
-    key = hashlib.sha1(f"{gguf.resolve()}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode()).hexdigest()[:12]
+    # CONVERTER names the conversion's own version: a change to what it writes must not reuse older folders.
+    stamp = f"{CONVERTER}:{gguf.resolve()}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}"
+    key = hashlib.sha1(stamp.encode()).hexdigest()[:12]
     out = CACHE / "gguf" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
@@ -48,6 +53,17 @@ def _gguf_to_folder(gguf: Path) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    # transformers 5.17 reads the GGUF's special tokens into config.json correctly (SmolLM2: eos = pad = <|im_end|>)
+    # but gives the tokenizer eos <|im_start|> and no pad; take them from the config so padding, DPO's pair ends and
+    # stop ids agree. BPE: no clean-up of spaces (transformers ignores it for BPE and warns).
+    eos, pad = getattr(model.config, "eos_token_id", None), getattr(model.config, "pad_token_id", None)
+    if isinstance(eos, int):
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
+    if isinstance(pad, int):
+        tok.pad_token = tok.convert_ids_to_tokens(pad)
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        tok.clean_up_tokenization_spaces = False
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     try:
@@ -136,10 +152,12 @@ class TokenLogProbs(nn.Module):
         super().__init__()
         self.lm, self.impl = lm, impl
 
-    def forward(self, input_ids, position_ids, targets, temperature: float = 1.0, scored=None, **attn_kwargs):
+    def forward(self, input_ids, position_ids, targets, temperature: float = 1.0, scored=None, argmax: bool = False,
+                **attn_kwargs):
         # input_ids, position_ids, targets: (1, T) packed; attention_mask=None + position_ids marks the packing.
         # scored: (N,) ascending positions whose target is not -100 (MicroBatch.pos), if the caller has them: finding
         # them here (nonzero) makes the CPU wait for the GPU.
+        # argmax: also return, per position, 1.0 where the target is the top-1 token (sft.py's token accuracy).
         base = getattr(self.lm, self.lm.base_model_prefix)
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                       **attn_kwargs).last_hidden_state  # (1, T, H)
@@ -148,4 +166,11 @@ class TokenLogProbs(nn.Module):
         sel = (flat != -100).nonzero().squeeze(1) if scored is None else scored  # only those reach the LM head
         logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
         scatter = lambda x: x.new_zeros(targets.shape).index_put((torch.zeros_like(sel), sel), x)  # (1, T)
-        return scatter(logp), scatter(entropy)
+        if not argmax:
+            return scatter(logp), scatter(entropy)
+        with torch.no_grad():  # the kernel never forms the logits: one more pass through the head, 1024 rows at a time
+            h = hidden.detach().flatten(0, 1)[sel]  # (N, H)
+            top = torch.cat([(c @ weight.detach().T.to(c.dtype)).argmax(-1) for c in h.split(1024)]) if len(sel) \
+                else flat[sel]
+            hit = (top == flat[sel]).float()  # (N,)
+        return scatter(logp), scatter(entropy), scatter(hit)

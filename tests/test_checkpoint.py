@@ -1,4 +1,5 @@
-"""common/checkpoint.py: atomic DCP checkpoints, resume, failure behaviour, HF export, stop flag, NaN guard.
+"""common/checkpoint.py (atomic DCP checkpoints, resume, failure behaviour, HF export), tools/export.py, and the
+modules beside it: common/stop.py (stop flag), common/nan_guard.py, common/determinism.py.
 
 The torchrun tests share one 2-rank run of tests/ckpt_driver.py (roundtrip, pruning, injected failure, export)."""
 import json
@@ -12,6 +13,9 @@ import pytest
 import torch
 
 import common.checkpoint as C
+from common.determinism import set_deterministic
+from common.nan_guard import NanGuard, all_finite
+from common.stop import install_stop_handler, stop_agreed
 from conftest import ROOT, torchrun
 
 
@@ -55,7 +59,7 @@ def test_prune_keeps_last_and_clears_tmp(tmp_path):
 
 def test_nan_guard(tmp_path):
     _fake_checkpoint(tmp_path, 10)
-    guard = C.NanGuard(max_consecutive=3, ckpt_root=tmp_path)
+    guard = NanGuard(max_consecutive=3, ckpt_root=tmp_path)
     assert guard.check(1.0, 0.5, step=1)
     assert not guard.check(float("inf"), 0.5, step=2)
     assert guard.check(1.0, 0.5, step=3) and guard.consecutive == 0  # a good step resets the count
@@ -65,28 +69,28 @@ def test_nan_guard(tmp_path):
                                            r".*step_000010"):
         guard.check(float("inf"), float("nan"), step=12)
     assert guard.skipped == 4
-    assert C.all_finite(1.0, 2.0) and not C.all_finite(1.0, float("nan"))
+    assert all_finite(1.0, 2.0) and not all_finite(1.0, float("nan"))
 
 
 def test_stop_flag():
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        flag = C.install_stop_handler()
-        assert not flag.requested and not C.stop_agreed(flag)
+        flag = install_stop_handler()
+        assert not flag.requested and not stop_agreed(flag)
         os.kill(os.getpid(), signal.SIGTERM)
-        assert flag.requested and C.stop_agreed(flag)
+        assert flag.requested and stop_agreed(flag)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
 
 
 def test_set_deterministic():
-    C.set_deterministic(True)
+    set_deterministic(True)
     try:
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"]
     finally:
-        C.set_deterministic(False)
+        set_deterministic(False)
     assert not torch.are_deterministic_algorithms_enabled()
 
 
@@ -157,14 +161,14 @@ def test_export_hf_matches_trained_model(driver_run):
 def test_standalone_export_command(driver_run, tiny_model_dir, tmp_path):
     work, _ = driver_run
     out = tmp_path / "exported"
-    subprocess.run([sys.executable, "-m", "common.checkpoint", "export", "--checkpoint",
+    subprocess.run([sys.executable, "-m", "tools.export", "--checkpoint",
                     str(work / "checkpoints" / "step_000004"), "--model", str(tiny_model_dir), "--out", str(out)],
                    cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, capture_output=True, timeout=300)
     ref = torch.load(work / "logp.pt")  # the driver exported step 4's weights
     torch.testing.assert_close(_logp_of(out, ref["ids"]), ref["logp"], rtol=1e-5, atol=1e-5)
     with pytest.raises(subprocess.CalledProcessError):  # a half-written checkpoint is refused
         half = _fake_checkpoint(tmp_path, 9, complete=False)
-        subprocess.run([sys.executable, "-m", "common.checkpoint", "export", "--checkpoint", str(half), "--model",
+        subprocess.run([sys.executable, "-m", "tools.export", "--checkpoint", str(half), "--model",
                         str(tiny_model_dir), "--out", str(tmp_path / "x")], cwd=ROOT, check=True, capture_output=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
 

@@ -107,7 +107,7 @@ def no_model(monkeypatch):
         # grpo.py / ppo.py resolve --model through common.rl_setup.resolve_model_once (rank 0 first)
         monkeypatch.setattr(script, "resolve_model_once" if hasattr(script, "resolve_model_once") else "resolve_model",
                             model_loaded)
-        monkeypatch.setattr(script.C, "set_deterministic", lambda flag: None)
+        monkeypatch.setattr(script, "set_deterministic", lambda flag: None)
         monkeypatch.setattr(script.D, "seed_everything", lambda seed: None)
 
 

@@ -54,7 +54,7 @@ with torch.no_grad():
     plain.head.weight.normal_(), plain.head.bias.fill_(0.3)
 critic = ValueModel(lm)
 critic.load_state_dict(plain.state_dict())
-critic = shard(lm, FSDPArgs(compile="off"), d.device, root=critic)
+critic, _ = shard(lm, FSDPArgs(compile="off"), d.device, root=critic)
 ids, pos = torch.randint(0, 100, (1, 12)), torch.arange(12)[None]
 w = torch.linspace(-1, 1, 12)[None]
 # the value model as it was: a view of the head's output
@@ -98,11 +98,11 @@ def test_load_tokenizer_does_not_warn_about_cleanup(tiny_model_dir, tmp_path):
 
 
 # ---- 11. preference rows -----------------------------------------------------------------------------------------
-def test_identical_pairs_dropped_and_counted(qwen_tokenizer):
+def test_identical_pairs_dropped_and_counted(tokenizer):
     rows = [{"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"},
             {"prompt": "Q: 3+3?\nA:", "chosen": " 6", "rejected": " 6"}]
     reasons = {}
-    pairs, dropped = build_pairs(rows, qwen_tokenizer, max_length=100, reasons=reasons)
+    pairs, dropped = build_pairs(rows, tokenizer, max_length=100, reasons=reasons)
     assert len(pairs) == 1 and dropped == 1
     assert reasons == {"too_long": 0, "empty": 0, "identical": 1}
     assert pairs[0].chosen_ids != pairs[0].rejected_ids
@@ -110,10 +110,10 @@ def test_identical_pairs_dropped_and_counted(qwen_tokenizer):
 
 @pytest.mark.parametrize("missing,flag", [("rejected", "--rejected-field"), ("prompt", "--prompt-field"),
                                           ("chosen", "--chosen-field")])
-def test_row_missing_a_field_names_file_row_and_flag(qwen_tokenizer, missing, flag):
+def test_row_missing_a_field_names_file_row_and_flag(tokenizer, missing, flag):
     rows = [{"prompt": f"Q{i}", "chosen": " a", "rejected": " b"} for i in range(3)]
     del rows[2][missing]
     with pytest.raises(ValueError) as e:
-        build_pairs(rows, qwen_tokenizer, max_length=100, source="data/pairs.jsonl")
+        build_pairs(rows, tokenizer, max_length=100, source="data/pairs.jsonl")
     msg = str(e.value)
     assert "data/pairs.jsonl" in msg and "row 2" in msg and repr(missing) in msg and flag in msg

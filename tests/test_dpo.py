@@ -1,5 +1,5 @@
-"""dpo.py and common/preference.py: losses by hand, data parsing, cache keys, cached vs live reference, micro-batch
-invariance, make-pairs, and a 2-rank CPU run."""
+"""dpo.py, common/preference.py and tools/make_pairs.py: losses by hand, data parsing, cache keys, cached vs live
+reference, micro-batch invariance, make-pairs, and a 2-rank CPU run."""
 import gzip
 import json
 import math
@@ -196,7 +196,7 @@ def test_make_pairs_cli(tmp_path, tiny_model_dir, tokenizer):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    p = subprocess.run([sys.executable, "-m", "common.preference", "make-pairs", "--out", str(out), "--model",
+    p = subprocess.run([sys.executable, "-m", "tools.make_pairs", "--out", str(out), "--model",
                         str(tiny_model_dir), "--num-prompts", "6", "--samples", "6", "--max-new-tokens", "6",
                         "--reward-fn", "parity_reward:reward", "--rollout", "hf"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -221,8 +221,9 @@ def test_dpo_two_ranks_cpu(tmp_path, tiny_model_dir):
             "--num-steps", "2", "--eval-fraction", "0.25", "--eval-every", "1", "--max-length", "128",
             "--max-tokens-per-microbatch", "256", "--lr", "1e-3", "--out-dir", str(tmp_path / "out"),
             "--cache-dir", str(tmp_path / "cache")]
-    for run in ("computed", "hit"):  # the second also keeps the parameters gathered between micro-batches
-        p = torchrun("dpo.py", *args, *(["--fsdp.keep-gathered", "on"] if run == "hit" else []))
+    for run in ("computed", "hit"):  # the second also keeps the parameters gathered between micro-batches, and
+        # starts over in the same run folder (--overwrite; the reference cache lives in --cache-dir, not there)
+        p = torchrun("dpo.py", *args, *(["--fsdp.keep-gathered", "on", "--overwrite"] if run == "hit" else []))
         assert f"cached ({run}" in p.stdout
         merged = {}  # an evaluation is a row of its own at the step whose weights it measured: merge by step
         for line in (tmp_path / "out" / "dpo" / "metrics.jsonl").read_text().splitlines():

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 from common.data import load_rows
-from common.preference import MakePairsArgs, make_pairs, split_shared_prefix
+from common.preference import split_shared_prefix
+from tools.make_pairs import MakePairsArgs, make_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,11 +1,11 @@
-"""bench/gpu_queue.py: the GPU session's job queue (pure scheduling rule, and a run with `sleep` jobs on CPU)."""
+"""dev/gpu_queue.py: the GPU session's job queue (pure scheduling rule, and a run with `sleep` jobs on CPU)."""
 import os
 import subprocess
 import sys
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "dev"))
 from gpu_queue import read_queue, runnable  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def test_queue_runs_jobs_on_their_gpus_in_order(tmp_path):
                  "g1 1 echo $CUDA_VISIBLE_DEVICES; exit 3\n"
                  "both 0,1 echo $CUDA_VISIBLE_DEVICES\n")
     env = {**os.environ, "QUEUE_LOGS": str(tmp_path / "logs")}
-    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_queue.py"), str(q)], env=env, check=True, timeout=60)
+    subprocess.run([sys.executable, str(ROOT / "dev" / "gpu_queue.py"), str(q)], env=env, check=True, timeout=60)
     logs = tmp_path / "logs"
     assert (logs / "g0.log").read_text().strip() == "0"
     assert (logs / "both.log").read_text().strip() == "0,1"

@@ -97,9 +97,9 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_learning_toy_task(tiny_model_dir, tmp_path):
-    """Mean reward rises under grpo.py on a task a random tiny model can learn (fraction of ASCII letters; top-k
+    """Mean reward rises under grpo.py on a task a random tiny model can learn (fraction of letters a-m; top-k
     sampling keeps the candidate set small enough for a few steps to matter). Seeded."""
-    torchrun("grpo.py", "--model", str(tiny_model_dir), "--reward-fn", "tests.toy_reward:letters",
+    torchrun("grpo.py", "--model", str(tiny_model_dir), "--reward-fn", "tests.toy_reward:a_to_m",
              "--num-steps", "8", "--prompts-per-step", "4", "--group-size", "8", "--max-new-tokens", "8",
              "--lr", "1e-2", "--top-k", "10", "--eval-every", "0", "--out-dir", str(tmp_path), "--exp-name", "learn",
              "--dataset", "arith", "--temperature", "1.0", nproc=1)  # the flags of the pre-quick-start defaults

@@ -5,6 +5,7 @@ well under a minute on 2 cores). Tests marked gpu run large shapes on CUDA.
 """
 
 import importlib
+import inspect
 import os
 
 import pytest
@@ -29,9 +30,8 @@ VARIANTS = ["triton", "cublas"]
 
 
 @pytest.fixture(params=VARIANTS)
-def variant(request, monkeypatch):
-    """Run the test with each way of computing the logits (kernels.logprob.VARIANT)."""
-    monkeypatch.setattr(lp, "VARIANT", request.param)
+def variant(request):
+    """Run the test with each way of computing the logits (token_logprobs(..., variant=))."""
     return request.param
 
 
@@ -52,11 +52,12 @@ def make_inputs(N, H, V, dtype, device=DEV, scale=1.0, seed=0, n_masked=2):
     return hidden, weight, targets.to(device), g_lp, g_ent
 
 
-def run(impl, hidden, weight, targets, temperature, g_lp, g_ent):
-    """Outputs and (dh, dW) through both outputs with the given upstream gradients."""
+def run(impl, hidden, weight, targets, temperature, g_lp, g_ent, **settings):
+    """Outputs and (dh, dW) through both outputs with the given upstream gradients; settings: the
+    kernel's (variant, workspace_mb, tune)."""
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
-    logp, ent = lp.token_logprobs(h, w, targets, temperature, impl=impl)
+    logp, ent = lp.token_logprobs(h, w, targets, temperature, impl=impl, **settings)
     (logp * g_lp + ent * g_ent).sum().backward()
     return logp.detach(), ent.detach(), h.grad, w.grad
 
@@ -82,11 +83,11 @@ TOL = {  # (values rtol, atol), (gradients rtol, atol): bf16 rounds dlogits and 
 }
 
 
-def check(N, H, V, dtype, temperature, scale=1.0, device=DEV, targets=None, seed=0):
+def check(N, H, V, dtype, temperature, scale=1.0, device=DEV, targets=None, seed=0, **settings):
     hidden, weight, tgt, g_lp, g_ent = make_inputs(N, H, V, dtype, device, scale, seed)
     if targets is not None:
         tgt = targets
-    got = run("fused", hidden, weight, tgt, temperature, g_lp, g_ent)
+    got = run("fused", hidden, weight, tgt, temperature, g_lp, g_ent, **settings)
     want = reference(hidden, weight, tgt, temperature, g_lp, g_ent)
     (vr, va), (gr, ga) = TOL[dtype]
     # Logits of magnitude L carry fp32 rounding of about L * 1e-7 in either implementation.
@@ -118,14 +119,14 @@ CASES = [  # N, H, V, dtype, temperature: V and N off the block sizes (16 x 32 x
 @needs_triton
 @pytest.mark.parametrize("N,H,V,dtype,temperature", CASES)
 def test_matches_reference(N, H, V, dtype, temperature, variant):
-    check(N, H, V, dtype, temperature)
+    check(N, H, V, dtype, temperature, variant=variant)
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_logits_stay_finite(dtype, variant):
     # hidden x 50: logits in the hundreds, most probabilities underflow to 0.
-    check(32, 32, 200, dtype, 1.0, scale=50.0)
+    check(32, 32, 200, dtype, 1.0, scale=50.0, variant=variant)
 
 
 @needs_triton
@@ -134,7 +135,7 @@ def test_unlikely_targets(variant):
     logits = hidden @ weight.t()
     tgt = logits.argmin(-1)  # log-probs of about -100
     tgt[0] = lp.IGNORE_INDEX
-    _, _, _, got = check(24, 32, 150, torch.float32, 1.0, scale=8.0, targets=tgt)
+    _, _, _, got = check(24, 32, 150, torch.float32, 1.0, scale=8.0, targets=tgt, variant=variant)
     assert got[0][1:].max() < -20
 
 
@@ -142,7 +143,7 @@ def test_unlikely_targets(variant):
 def test_all_rows_ignored(variant):
     hidden, weight, _, g_lp, g_ent = make_inputs(8, 16, 40, torch.float32)
     tgt = torch.full((8,), lp.IGNORE_INDEX, device=DEV)
-    logp, ent, dh, dw = run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent)
+    logp, ent, dh, dw = run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent, variant=variant)
     assert (logp == 0).all() and (ent == 0).all() and (dh == 0).all() and (dw == 0).all()
 
 
@@ -155,7 +156,7 @@ def test_one_output_used(which, variant):
     for impl in ("fused", "torch"):
         h = hidden.clone().requires_grad_()
         w = weight.clone().requires_grad_()
-        logp, ent = lp.token_logprobs(h, w, tgt, 0.9, impl=impl)
+        logp, ent = lp.token_logprobs(h, w, tgt, 0.9, impl=impl, variant=variant)
         (logp if which == "logp" else ent).sum().backward()
         grads.append((h.grad, w.grad))
     for a, b in zip(*grads):
@@ -170,7 +171,7 @@ def test_blocks(dtype, fwd, bwd, variant, monkeypatch):
     # forward merges stats across column chunks; the backward sums dh over column chunks in fp32 and
     # dW over row blocks (one rounding each in bf16).
     set_tiles(monkeypatch, fwd, bwd)
-    check(50, 32, 90, dtype, 0.8)
+    check(50, 32, 90, dtype, 0.8, variant=variant)
 
 
 @needs_triton
@@ -179,9 +180,9 @@ def test_blocking_does_not_change_results(fwd, bwd, variant, monkeypatch):
     # fp32: the blocked result equals the one-block result up to fp32 summation order.
     hidden, weight, tgt, g_lp, g_ent = make_inputs(50, 32, 90, torch.float32)
     set_tiles(monkeypatch, (64, 90), (64, 90))
-    one = run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent)
+    one = run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent, variant=variant)
     set_tiles(monkeypatch, fwd, bwd)
-    blocked = run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent)
+    blocked = run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent, variant=variant)
     for name, a, b in zip(("logp", "entropy", "dh", "dW"), blocked, one):
         assert_close(name, a, b, 1e-6, 1e-6)
 
@@ -195,36 +196,60 @@ def test_dh_only_and_dw_only(variant, monkeypatch):
     for h_grad in (True, False):
         h = hidden.clone().requires_grad_(h_grad)
         w = weight.clone().requires_grad_(not h_grad)
-        logp, ent = lp.token_logprobs(h, w, tgt, 1.0, impl="fused")
+        logp, ent = lp.token_logprobs(h, w, tgt, 1.0, impl="fused", variant=variant)
         (logp * g_lp + ent * g_ent).sum().backward()
         got, want = (h.grad, dh_ref) if h_grad else (w.grad, dw_ref)
         assert (w.grad is None) == h_grad and (h.grad is None) != h_grad
         assert_close("dh" if h_grad else "dW", got, want, 2e-2, 1e-3)
 
 
+DEFAULT_BUDGET = inspect.signature(lp.token_logprobs).parameters["workspace_mb"].default << 20
+
+
 def test_workspace_budget():
     # Bench shape (Qwen2.5-7B head, 32k tokens, bf16): the backward's workspace (fp32 dh accumulator +
-    # logits and dlogits blocks) stays under the budget and under 2% of the fp32 logits; dW is
-    # rounded at most 5 times; the blocks are large enough for efficient GEMMs.
+    # logits and dlogits blocks) stays under the default budget and under 2% of the fp32 logits; dW
+    # is rounded at most 5 times; the blocks are large enough for efficient GEMMs.
     N, H, V = 32768, 3584, 152064
     for elt in (2, 6):  # triton variant: bf16 dlogits; cublas: + fp32 logits
-        rows, cols = lp._bwd_tiles(N, V, H, elt, lp.WORKSPACE_BYTES, 128)
+        rows, cols = lp._bwd_tiles(N, V, H, elt, DEFAULT_BUDGET, 128)
         ws = rows * H * 4 + rows * cols * elt
-        assert ws <= lp.WORKSPACE_BYTES and ws < 0.02 * N * V * 4, (rows, cols, ws)
+        assert ws <= DEFAULT_BUDGET and ws < 0.02 * N * V * 4, (rows, cols, ws)
         assert -(-N // rows) <= 5 and rows % 128 == 0 and cols % 128 == 0 and cols >= 4096
-    rows, cols = lp._fwd_tiles(N, V, lp.WORKSPACE_BYTES, 128)
-    assert rows * cols * 4 <= lp.WORKSPACE_BYTES and rows == N and cols >= 2048
+    rows, cols = lp._fwd_tiles(N, V, DEFAULT_BUDGET, 128)
+    assert rows * cols * 4 <= DEFAULT_BUDGET and rows == N and cols >= 2048
     # Small problems: one block each way, nothing above the problem size.
-    assert lp._bwd_tiles(100, 1000, 64, 6, lp.WORKSPACE_BYTES, 128) == (100, 1000)
-    assert lp._fwd_tiles(100, 1000, lp.WORKSPACE_BYTES, 128) == (100, 1000)
+    assert lp._bwd_tiles(100, 1000, 64, 6, DEFAULT_BUDGET, 128) == (100, 1000)
+    assert lp._fwd_tiles(100, 1000, DEFAULT_BUDGET, 128) == (100, 1000)
     assert lp._split(1000, 300, 16) == 256 and lp._split(1000, 1000, 16) == 1000
 
 
-def test_bad_variant(monkeypatch):
-    monkeypatch.setattr(lp, "VARIANT", "cutlass")
+@needs_triton
+def test_bad_settings():
     hidden, weight, tgt, _, _ = make_inputs(4, 8, 10, torch.float32, device="cpu")
-    with pytest.raises(ValueError):
-        lp.token_logprobs(hidden, weight, tgt, impl="fused")
+    with pytest.raises(ValueError, match="variant must be 'triton' or 'cublas', got 'cutlass'"):
+        lp.token_logprobs(hidden, weight, tgt, impl="fused", variant="cutlass")
+    with pytest.raises(ValueError, match="workspace_mb must be positive"):
+        lp.token_logprobs(hidden, weight, tgt, impl="fused", workspace_mb=0)
+
+
+@needs_triton
+def test_settings_are_arguments(monkeypatch):
+    # The kernel's settings reach the code they select, per call (no module state): the variant picks
+    # the forward, workspace_mb sets the tiles' budget; the defaults are cublas and 320 MB.
+    seen = []
+    for name in ("_fwd_tiles", "_bwd_tiles"):
+        real = getattr(lp, name)
+        monkeypatch.setattr(lp, name, lambda *a, real=real, name=name: seen.append((name, a[-2])) or real(*a))
+    for name in ("_cublas_forward", "_fused_forward"):
+        real = getattr(lp, name)
+        monkeypatch.setattr(lp, name, lambda *a, real=real, name=name: seen.append((name,)) or real(*a))
+    hidden, weight, tgt, g_lp, g_ent = make_inputs(20, 16, 40, torch.float32)
+    run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent)
+    assert seen == [("_cublas_forward",), ("_fwd_tiles", 320 << 20), ("_bwd_tiles", 320 << 20)]
+    seen.clear()
+    run("fused", hidden, weight, tgt, 1.0, g_lp, g_ent, variant="triton", workspace_mb=7)
+    assert seen == [("_fused_forward",), ("_bwd_tiles", 7 << 20)]
 
 
 @needs_triton
@@ -237,7 +262,7 @@ def test_tied_embedding(variant):
     for impl in ("fused", "torch"):
         emb = torch.nn.Parameter(weight.clone())
         h = torch.tanh(torch.nn.functional.embedding(ids, emb) + hidden)  # (N, H)
-        logp, ent = lp.token_logprobs(h, emb, tgt, 1.0, impl=impl)
+        logp, ent = lp.token_logprobs(h, emb, tgt, 1.0, impl=impl, variant=variant)
         (logp * g_lp + ent * g_ent).sum().backward()
         grads.append(emb.grad)
     assert_close("tied dW", grads[0], grads[1], 1e-5, 1e-6)
@@ -281,33 +306,31 @@ GPU_CASES = [
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_matches_reference(N, H, V, dtype, temperature, variant):
     torch.backends.cuda.matmul.allow_tf32 = False
-    check(N, H, V, dtype, temperature, device="cuda")
+    check(N, H, V, dtype, temperature, device="cuda", variant=variant)
 
 
 @needs_triton
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_large_logits_and_blocks(variant, monkeypatch):
-    monkeypatch.setattr(lp, "WORKSPACE_BYTES", 4 << 20)  # several row blocks and column chunks
-    rows, cols = lp._bwd_tiles(1500, 50000, 512, 6, lp.WORKSPACE_BYTES, 128)
+def test_gpu_large_logits_and_blocks(variant):
+    rows, cols = lp._bwd_tiles(1500, 50000, 512, 6, 4 << 20, 128)  # 4 MB: several row blocks and column chunks
     assert rows < 1500 and cols < 50000
-    check(1500, 512, 50000, torch.bfloat16, 1.0, device="cuda", scale=50.0)
+    check(1500, 512, 50000, torch.bfloat16, 1.0, device="cuda", scale=50.0, variant=variant, workspace_mb=4)
 
 
 @needs_triton
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_workspace_within_budget(variant, monkeypatch):
+def test_gpu_workspace_within_budget(variant):
     # Peak memory of forward + backward above inputs and gradients stays within the budget (+ 5% and
     # 48 MB for (N,) vectors, the allocator's rounding and cuBLAS's workspace).
     budget = 128 << 20
-    monkeypatch.setattr(lp, "WORKSPACE_BYTES", budget)
     hidden, weight, tgt, g_lp, g_ent = make_inputs(8192, 2048, 65536, torch.bfloat16, "cuda")
     h = hidden.requires_grad_()
     w = weight.requires_grad_()
 
     def fwd_bwd():
-        logp, ent = lp.token_logprobs(h, w, tgt, 1.0, impl="fused")
+        logp, ent = lp.token_logprobs(h, w, tgt, 1.0, impl="fused", variant=variant, workspace_mb=budget >> 20)
         (logp * g_lp + ent * g_ent).sum().backward()
 
     fwd_bwd()  # compiles, tunes, allocates cuBLAS's workspace

@@ -126,7 +126,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_ranks_end_to_end(tiny_model_dir, tmp_path):
-    from conftest import torchrun  # not at the top: the workers import this file for letters()
+    from conftest import torchrun  # not at the top: the workers import this file for a_to_m()
     run = lambda name, *extra: torchrun(
         "ppo.py", "--model", str(tiny_model_dir), "--out-dir", str(tmp_path), "--exp-name", name,
         "--reward-fn", "tests.test_ppo:letters", "--num-steps", "2", "--max-new-tokens", "8",
@@ -159,12 +159,18 @@ def test_two_ranks_end_to_end(tiny_model_dir, tmp_path):
     assert ckpt and ckpt[-1].name.endswith("2")  # policy, critic, both optimisers and schedules, kl_coef
 
 
+def a_to_m(prompt: str, completion: str, answer: str) -> float:
+    """Toy reward: the fraction of letters a-m in the completion (tests/toy_reward.py:a_to_m, kept here so this file
+    stands alone; a random policy over SmolLM2's vocabulary starts near 0.47)."""
+    return sum(c.isascii() and c.isalpha() and c.lower() <= "m" for c in completion) / max(1, len(completion))
+
+
 @pytest.mark.slow
 def test_learns_toy_reward(tiny_model_dir, tmp_path):
-    """A random 2-layer model learns to emit ASCII-letter tokens: the last steps' reward beats the first steps'."""
-    from conftest import torchrun  # not at the top: the workers import this file for letters()
+    """A random 2-layer model learns to emit tokens made of the letters a-m: the last steps beat the first ones."""
+    from conftest import torchrun  # not at the top: the workers import this file for a_to_m()
     torchrun("ppo.py", "--model", str(tiny_model_dir), "--out-dir", str(tmp_path), "--exp-name", "toy", "--seed", "1",
-             "--reward-fn", "tests.test_ppo:letters", "--kl-coef", "0", "--lr", "3e-2", "--critic-lr", "1e-3",
+             "--reward-fn", "tests.test_ppo:a_to_m", "--kl-coef", "0", "--lr", "3e-2", "--critic-lr", "1e-3",
              "--num-steps", "12", "--max-new-tokens", "8", "--prompts-per-step", "16", "--num-minibatches", "2",
              "--num-epochs", "2", "--eval-every", "0", "--no-chat-template", "--instruction", "", nproc=1,
              env={"OMP_NUM_THREADS": "2"})

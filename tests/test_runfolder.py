@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import common.checkpoint as C
+import common.run_dir as R
+from common.stop import STOPPED_EXIT_CODE
 from common.tracking import Tracker
 from conftest import ROOT
 from smollm_tiny import make_tiny_smollm
@@ -35,39 +37,39 @@ def test_lock_names_the_holder_and_takes_over_a_dead_one(tmp_path, capsys):
     run.mkdir()
     holder = subprocess.Popen(["sleep", "60"])
     try:
-        (run / C.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid,
+        (run / R.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid,
                                               "start": "2026-12-01 10:00:00"}))
-        with pytest.raises(C.CheckpointError, match=rf"{run} is in use by another run: .*run.lock names host "
+        with pytest.raises(R.RunDirError, match=rf"{run} is in use by another run: .*run.lock names host "
                                                     rf"{socket.gethostname()}, pid {holder.pid}, started 2026-12-01"):
-            C.claim_run_dir(run, "", False)
+            R.claim_run_dir(run, "", False)
     finally:
         holder.kill()
         holder.wait()
-    (run / C.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "start": "x"}))
-    C.claim_run_dir(run, "", False)
+    (run / R.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "start": "x"}))
+    R.claim_run_dir(run, "", False)
     assert "taking over the stale lock" in capsys.readouterr().out
-    assert json.loads((run / C.LOCK).read_text())["pid"] == os.getpid()
-    with pytest.raises(C.CheckpointError, match=f"pid {os.getpid()}"):  # a second run of this process is refused
-        C.claim_run_dir(run, "latest", False)
-    C._unlock(run / C.LOCK, os.getpid())
-    assert not (run / C.LOCK).exists()
+    assert json.loads((run / R.LOCK).read_text())["pid"] == os.getpid()
+    with pytest.raises(R.RunDirError, match=f"pid {os.getpid()}"):  # a second run of this process is refused
+        R.claim_run_dir(run, "latest", False)
+    R._unlock(run / R.LOCK, os.getpid())
+    assert not (run / R.LOCK).exists()
 
 
 def test_fresh_run_over_an_earlier_run_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
-    C.claim_run_dir(run, "", False)  # an empty folder: fine
-    C._unlock(run / C.LOCK, os.getpid())
+    R.claim_run_dir(run, "", False)  # an empty folder: fine
+    R._unlock(run / R.LOCK, os.getpid())
     (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
     (run / "checkpoints" / "step_000002").mkdir(parents=True)
-    with pytest.raises(C.CheckpointError, match=r"already holds a run \(metrics.jsonl with 2 rows, checkpoints "
+    with pytest.raises(R.RunDirError, match=r"already holds a run \(metrics.jsonl with 2 rows, checkpoints "
                                                 r"step_000002\): pass --resume latest to continue it, --overwrite"):
-        C.claim_run_dir(run, "", False)
-    assert not (run / C.LOCK).exists()  # a refused run leaves no lock behind
-    C.claim_run_dir(run, "latest", False)  # resuming is what the folder is for
-    C._unlock(run / C.LOCK, os.getpid())
-    C.claim_run_dir(run, "", True)
+        R.claim_run_dir(run, "", False)
+    assert not (run / R.LOCK).exists()  # a refused run leaves no lock behind
+    R.claim_run_dir(run, "latest", False)  # resuming is what the folder is for
+    R._unlock(run / R.LOCK, os.getpid())
+    R.claim_run_dir(run, "", True)
     assert "--overwrite: deleting" in capsys.readouterr().out and not (run / "checkpoints").exists()
-    C._unlock(run / C.LOCK, os.getpid())
+    R._unlock(run / R.LOCK, os.getpid())
 
 
 def test_torn_metrics_line_is_dropped_with_a_warning(tmp_path):
@@ -137,20 +139,20 @@ def test_sigterm_checkpoints_then_exits_143_and_a_second_fresh_run_is_refused(ti
         while not (metrics.exists() and metrics.read_text()):  # step 0 is done: the loop is running
             assert p.poll() is None and time.time() < deadline, p.stdout.read()[-3000:]
             time.sleep(0.2)
-        lock = json.loads((tmp_path / "run" / C.LOCK).read_text())
+        lock = json.loads((tmp_path / "run" / R.LOCK).read_text())
         assert lock["pid"] == p.pid and lock["host"] == socket.gethostname() and lock["start"]
         second = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
-        assert second.returncode != 0 and f"is in use by another run: {tmp_path / 'run' / C.LOCK} names host " \
+        assert second.returncode != 0 and f"is in use by another run: {tmp_path / 'run' / R.LOCK} names host " \
             f"{socket.gethostname()}, pid {p.pid}" in second.stderr, second.stderr[-3000:]
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=300)
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == C.STOPPED_EXIT_CODE == 143, out[-3000:]
+    assert p.returncode == STOPPED_EXIT_CODE == 143, out[-3000:]
     assert "stopped by signal" in out and "exiting with code 143" in out
     last = C.latest_checkpoint(tmp_path / "run" / "checkpoints")
-    assert last is not None and not (tmp_path / "run" / C.LOCK).exists()
+    assert last is not None and not (tmp_path / "run" / R.LOCK).exists()
     refused = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "already holds a run" in refused.stderr and "--resume latest" in refused.stderr
 
@@ -165,7 +167,7 @@ def test_critic_export_loads_as_sequence_classification_with_the_same_values(tin
     torch.nn.init.normal_(critic.head.bias, std=0.5)
     C.save_checkpoint(tmp_path / "ckpt", 3, {"critic": (critic, torch.optim.AdamW(critic.parameters()))})
     out = tmp_path / "critic_hf"
-    p = subprocess.run([sys.executable, "-m", "common.checkpoint", "export", "--checkpoint",
+    p = subprocess.run([sys.executable, "-m", "tools.export", "--checkpoint",
                         str(tmp_path / "ckpt" / "step_000003"), "--model", str(tiny), "--out", str(out), "--key",
                         "critic"], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

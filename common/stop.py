@@ -1,0 +1,58 @@
+"""Clean stops: SIGTERM / SIGINT ask the loop to finish its step, checkpoint and exit, on every rank at the same step.
+
+    stop = install_stop_handler()
+    for step in ...:
+        ...
+        if stop_agreed(stop):   # a collective: every rank, every step
+            save_checkpoint(...); break
+    exit_if_stopped(stop)       # last line of main: exit 143 when a signal stopped the run
+
+A run stopped this way exits with STOPPED_EXIT_CODE (143 = 128 + SIGTERM), so a scheduler can tell a pre-empted run
+(checkpoint written: resume it) from a finished one (exit 0). docs/checkpoints.md, "Clean stops".
+"""
+import os
+import signal
+import sys
+
+from common import dist as D
+
+STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: a run stopped by a signal (checkpoint written) is not a finished one
+
+
+class StopFlag:
+    requested: bool = False  # a signal reached this rank
+    stopped: bool = False  # stop_agreed() returned True: every rank stops after this step
+
+
+def install_stop_handler() -> StopFlag:
+    """SIGTERM / SIGINT set flag.requested, so the loop can finish its step, checkpoint and exit; a second signal
+    stops at once. torchrun forwards SIGTERM to every worker and kills them ~30 s later: the save must fit."""
+    flag = StopFlag()
+
+    def handler(signum, frame):
+        if flag.requested:  # second Ctrl-C: give up on the clean stop
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        flag.requested = True
+        print(f"[rank {D.rank()}] {signal.Signals(signum).name}: stopping after this step "
+              "(checkpoint, then exit); send it again to stop now", flush=True)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return flag
+
+
+def stop_agreed(flag: StopFlag) -> bool:
+    """True on every rank when any rank was asked to stop (an all-reduce max: call it on every rank, every step)."""
+    flag.stopped = bool(D.all_reduce(float(flag.requested), op="max") > 0)
+    return flag.stopped
+
+
+def exit_if_stopped(flag: StopFlag) -> None:
+    """At the very end of main: a run stopped by a signal exits with STOPPED_EXIT_CODE (143 = 128 + SIGTERM), so a
+    scheduler can tell a pre-empted run (checkpoint written, resume it) from a finished one (exit 0)."""
+    if flag.stopped:
+        print(f"[rank {D.rank()}] exiting with code {STOPPED_EXIT_CODE} (stopped by a signal, not finished)",
+              flush=True)
+        sys.exit(STOPPED_EXIT_CODE)

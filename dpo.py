@@ -1,10 +1,13 @@
 """DPO: direct preference optimisation of a language model on (prompt, chosen, rejected) pairs, one torchrun script.
-Also IPO and the reference-free, length-normalised SimPO.
+Also IPO, the reference-free SimPO, hinge (SLiC), robust DPO, EXO and length-normalised DPO (--loss; docs/dpo.md).
 
 Papers: DPO (Rafailov et al. 2023) https://arxiv.org/abs/2305.18290
         cDPO / label smoothing (Mitchell 2023, "A note on DPO with noisy preferences") https://ericmitchell.ai/cdpo.pdf
         IPO (Azar et al. 2023) https://arxiv.org/abs/2310.12036
         SimPO (Meng et al. 2024) https://arxiv.org/abs/2405.14734
+        SLiC-HF (Zhao et al. 2023) arxiv.org/abs/2305.10425, RSO's hinge (Liu et al. 2023) arxiv.org/abs/2309.06657
+        robust DPO (Chowdhury et al. 2024) arxiv.org/abs/2403.00409, EXO (Ji et al. 2024) arxiv.org/abs/2402.00856
+        length-normalised DPO (Tulu 3, Lambert et al. 2024) https://arxiv.org/abs/2411.15124; TRL's sigmoid_norm
 
 Before training:
   0. reference  log pi_ref(y|x) summed over each response, for every train and held-out pair, in one pass
@@ -12,10 +15,14 @@ Before training:
                 during training (SimPO needs none)
 Each step (numbers match the phases in the loop):
   1. forward    both responses of every pair packed into one row per micro-batch: log pi(y_w|x), log pi(y_l|x)
-  2. loss       h = [log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)]
-                sigmoid (DPO):  -(1-eps) log s(beta h) - eps log s(-beta h)     (eps = --label-smoothing, cDPO)
+  2. loss       h = [log pi(y_w) - log pi_ref(y_w)] - [log pi(y_l) - log pi_ref(y_l)], eps = --label-smoothing
+                sigmoid (DPO):  -(1-eps) log s(beta h) - eps log s(-beta h)     (eps > 0: cDPO)
+                sigmoid_norm:   the same (eps too) with per-token mean log-probs (length-normalised DPO)
                 ipo:            (h - 1/(2 beta))^2, with per-token mean log-probs
                 simpo:          -log s(beta (mean log pi(y_w) - mean log pi(y_l)) - gamma), no reference
+                hinge (SLiC):   max(0, 1 - beta h)
+                robust (rDPO):  [-(1-eps) log s(beta h) + eps log s(-beta h)] / (1 - 2 eps)
+                exo_pair (EXO): KL([s(beta h), s(-beta h)] || [1-eps, eps]), eps > 0
   3. learn      mean over the pairs of the global batch, AdamW step
   4. log        implicit rewards beta (log pi - log pi_ref) of chosen and rejected, margin and accuracy
   5. evaluate   the same on the held-out pairs (every --eval-every steps, and after the loop); 6. checkpoint
@@ -29,6 +36,7 @@ Deviations from the papers (each documented in docs/dpo.md):
   4. The reference log-probs of the initial policy are computed once, before step 0, not per batch; the result is
      the same (the reference is frozen), see tests/test_dpo.py.
   5. The prompt is computed twice (once per response) rather than shared through a custom attention mask.
+  6. hinge is RSO's reference-normalised form of SLiC-HF's (as TRL), without SLiC-HF's cross-entropy regulariser.
 
 Launch:
   CPU:     python dpo.py --dataset pairs.jsonl --pairs-per-step 8 --max-length 512
@@ -54,13 +62,14 @@ from common.data import load_rows
 from common.determinism import set_deterministic
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
-from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer, resolve_model
+from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
 from common.passes import microbatch_rows
 from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
-                               reference_logprobs, response_logp_sums)
+                               reference_cache_spec, reference_logprobs, response_logp_sums)
 from common.progress import note, show_phase
+from common.rl_setup import resolve_model_once
 from common.run_dir import claim_run_dir
 from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
 from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
@@ -102,12 +111,12 @@ class Args(RunArgs):  # and the run flags of common/args.py
     max_length: int = 256
     """pairs whose prompt + longer response exceed this many tokens are dropped (and counted)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
-    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
-    """sigmoid (DPO, cDPO with --label-smoothing) | ipo (IPO) | simpo (SimPO, reference-free)"""
+    loss: Literal["sigmoid", "sigmoid_norm", "ipo", "simpo", "hinge", "robust", "exo_pair"] = "sigmoid"
+    """sigmoid (DPO) | sigmoid_norm (on per-token means) | ipo | simpo (no reference) | hinge | robust | exo_pair"""
     beta: float = 0.1
-    """beta: DPO/SimPO inverse temperature; IPO regularisation tau (target h = 1/(2 tau)). SimPO uses ~2"""
+    """beta: DPO/SimPO/EXO inverse temperature (hinge: margin 1/beta); IPO regularisation tau (target h = 1/(2 tau))"""
     label_smoothing: float = 0.0
-    """eps: probability that a preference label is flipped (cDPO; sigmoid and simpo)"""
+    """eps: probability that a label is flipped (cDPO; robust: the noise rate < 0.5; exo_pair: target [1-eps, eps])"""
     simpo_gamma: float = 0.5
     """gamma: SimPO target reward margin"""
     lr: float = 1e-5
@@ -152,11 +161,15 @@ class Args(RunArgs):  # and the run flags of common/args.py
         return self.loss != "simpo"
 
 
-# ---- pure algorithm functions (tests/test_dpo.py) -----------------------------------------------------------
+# ---- pure algorithm functions (tests/test_dpo.py, tests/test_dpo_objectives.py) -----------------------------
 def preference_loss(logp_c, logp_r, ref_c, ref_r, loss: str, beta: float, label_smoothing: float = 0.0,
                     simpo_gamma: float = 0.0) -> torch.Tensor:
-    """Per-pair loss (B,). logp_*, ref_*: (B,) response log-probs of chosen / rejected under pi and pi_ref (sums for
-    sigmoid, per-token means for ipo and simpo; ref is ignored by simpo)."""
+    """Per-pair loss (B,). logp_*, ref_*: (B,) response log-probs of chosen / rejected under pi and pi_ref (sums;
+    per-token means for sigmoid_norm, ipo and simpo; ref is ignored by simpo). Raises naming a bad --loss or eps."""
+    eps = label_smoothing  # the probability that a preference label is flipped
+    allowed = {"robust": "[0, 0.5) (rDPO divides by 1 - 2 eps)", "exo_pair": "(0, 1) (EXO takes log eps), e.g. 1e-3"}
+    if not 0 <= eps <= 1 or (loss == "robust" and eps >= 0.5) or (loss == "exo_pair" and not 0 < eps < 1):
+        raise ValueError(f"--label-smoothing {eps} with --loss {loss}: must be in {allowed.get(loss, '[0, 1]')}")
     if loss == "simpo":  # SimPO eq. 6: reference-free, margin gamma
         logits = beta * (logp_c - logp_r) - simpo_gamma
     else:
@@ -164,8 +177,16 @@ def preference_loss(logp_c, logp_r, ref_c, ref_r, loss: str, beta: float, label_
         if loss == "ipo":  # IPO eq. 17: regress h onto 1/(2 tau)
             return (h - 1 / (2 * beta)) ** 2
         logits = beta * h  # DPO eq. 7
+    if loss == "hinge":  # SLiC-HF's hinge on RSO's reference-normalised margin: no gradient once beta h >= 1
+        return torch.relu(1 - logits)
+    if loss == "robust":  # rDPO: unbiased for the clean-label DPO loss when each label is flipped with probability eps
+        return (-(1 - eps) * F.logsigmoid(logits) + eps * F.logsigmoid(-logits)) / (1 - 2 * eps)
+    if loss == "exo_pair":  # EXO eq. 16: KL(q || p), the policy q = [s(beta h), s(-beta h)], the label p = [1-eps, eps]
+        return sum(torch.sigmoid(z) * (F.logsigmoid(z) - math.log(p)) for z, p in ((logits, 1 - eps), (-logits, eps)))
+    if loss not in ("sigmoid", "sigmoid_norm", "simpo"):
+        raise ValueError(f"--loss {loss!r}: use sigmoid, sigmoid_norm, ipo, simpo, hinge, robust or exo_pair")
     # cDPO: the label is wrong with probability eps, so the target is the eps-smoothed Bernoulli
-    return -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    return -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
 
 
 def implicit_rewards(logp: torch.Tensor, ref_logp: torch.Tensor, beta: float) -> torch.Tensor:
@@ -195,7 +216,7 @@ def pair_losses(policy, pairs, ids, ref_table, ref_model, args: Args, device):
             ref = response_logp_sums(ref_model, mb)
     else:
         ref = ref_table[ids].to(device)  # (b, 2)
-    if args.loss in ("ipo", "simpo"):  # length-normalised: per-token mean (SimPO eq. 4; IPO as in TRL)
+    if args.loss in ("sigmoid_norm", "ipo", "simpo"):  # per-token means (SimPO eq. 4; IPO and sigmoid_norm as TRL)
         n = torch.tensor([[len(pairs[i].chosen_ids), len(pairs[i].rejected_ids)] for i in ids], device=device)
         logp, ref = logp / n.view(-1, 2), ref / n.view(-1, 2)
     loss = preference_loss(logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1], args.loss, args.beta,
@@ -210,12 +231,10 @@ def reward_stats(loss, rewards, logp) -> torch.Tensor:
                         logp[:, 0].sum(), logp[:, 1].sum()])
 
 
-def stats_metrics(s: torch.Tensor, prefix: str) -> dict:
-    n = float(s[0].clamp(min=1))
-    return {f"{prefix}/loss": float(s[1]) / n, f"{prefix}/rewards/chosen": float(s[2]) / n,
-            f"{prefix}/rewards/rejected": float(s[3]) / n, f"{prefix}/rewards/margin": float(s[2] - s[3]) / n,
-            f"{prefix}/rewards/accuracy": float(s[4]) / n, f"{prefix}/logp/chosen": float(s[5]) / n,
-            f"{prefix}/logp/rejected": float(s[6]) / n}
+def stats_metrics(s: torch.Tensor, prefix: str) -> dict:  # means over the pairs of reward_stats' sums
+    names = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "logp/chosen", "logp/rejected")
+    m = {f"{prefix}/{k}": float(v) / float(s[0].clamp(min=1)) for k, v in zip(names, s[1:])}
+    return m | {f"{prefix}/rewards/margin": m[f"{prefix}/rewards/chosen"] - m[f"{prefix}/rewards/rejected"]}
 
 
 @torch.no_grad()
@@ -241,12 +260,12 @@ def main(args: Args) -> None:
                         ("keep_last", 1)):
         if not getattr(args, name) >= least:  # `not >=`: NaN fails too
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
+    preference_loss(*torch.zeros(4, 1), args.loss, args.beta, args.label_smoothing)  # names a bad --loss or eps now
     if args.max_tokens_per_microbatch < 2 * args.max_length:
         raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one pair "
                          f"(2 x --max-length = {2 * args.max_length}): both sequences of a pair share a micro-batch")
     if args.pairs_per_step < d.world_size:
-        raise ValueError(f"--pairs-per-step {args.pairs_per_step} must be at least the number of ranks "
-                         f"({d.world_size})")
+        raise ValueError(f"--pairs-per-step {args.pairs_per_step} must be >= the number of ranks ({d.world_size})")
     if args.eval_split and os.path.isfile(os.path.expanduser(args.dataset)):
         raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
                          "leave it unset to hold out --eval-fraction")
@@ -254,10 +273,8 @@ def main(args: Args) -> None:
     claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
 
     # ---- models and optimiser ------------------------------------------------------------------------------
-    model_path = resolve_model(args.model) if d.is_main else None  # rank 0 converts a GGUF once
-    torch.distributed.barrier()
-    model_path = resolve_model(args.model) if not d.is_main else model_path
-    ref_path = model_path if args.ref_model is None else resolve_model(args.ref_model)
+    model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF once
+    ref_path = model_path if args.ref_model is None else resolve_model_once(args.ref_model, d.is_main)
     tok = load_tokenizer(model_path)
     policy, plan = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
                          root=TokenLogProbs(lm, args.logprob_impl))
@@ -294,11 +311,7 @@ def main(args: Args) -> None:
     # ---- 0. reference log-probs: one pass, cached, then pi_ref is gone ---------------------------------------
     ref_table, ref_status, ref_cache, perf0 = None, "none (simpo is reference-free)", None, {}
     if args.uses_reference and args.ref_cache:
-        spec = {k: getattr(args, k) for k in ("dataset", "dataset_config", "train_split", "eval_split",
-                                              "eval_fraction", "eval_size", "seed", "prompt_field", "chosen_field",
-                                              "rejected_field", "max_length", "logprob_impl", "attn_impl")}
-        spec |= {"chat_template": tok.chat_template, "tokenizer": type(tok).__name__, "device": d.device.type,
-                 "param_dtype": args.fsdp.param_dtype}
+        spec = reference_cache_spec(args, tok, d.device.type)  # the flags and settings the cache key holds
         key = cache_key(ref_path, pairs, spec)
 
         def compute():  # the initial policy is pi_ref unless --ref-model names another
@@ -310,8 +323,7 @@ def main(args: Args) -> None:
         ref_table = ref_table.to(d.device)  # (N, 2) summed log pi_ref of [chosen, rejected]
         ref_cache = f"{args.cache_dir}/{key}.pt"
         ref_status = f"cached ({'hit' if hit else 'computed'}: {ref_cache})"
-        if d.device.type == "cuda":
-            torch.cuda.empty_cache()  # a --ref-model loaded for the pass is gone; hand back its memory
+        torch.cuda.empty_cache()  # a --ref-model loaded for the pass is gone; hand back its memory (no-op on CPU)
     elif args.uses_reference:
         ref_status = "live (--no-ref-cache: pi_ref in memory)"
 

@@ -189,6 +189,17 @@ def cache_key(model_path: str, pairs: list[Pair], spec: dict) -> str:
     return h.hexdigest()[:20]
 
 
+def reference_cache_spec(args, tok, device_type: str) -> dict:
+    """cache_key's `spec` for dpo.py's `args`: its data flags (dataset, splits, fields, held-out split, max length)
+    and what changes the numbers (chat template, tokenizer class, log-prob and attention implementations, device
+    type, parameter dtype)."""
+    spec = {k: getattr(args, k) for k in ("dataset", "dataset_config", "train_split", "eval_split", "eval_fraction",
+                                          "eval_size", "seed", "prompt_field", "chosen_field", "rejected_field",
+                                          "max_length", "logprob_impl", "attn_impl")}
+    return spec | {"chat_template": tok.chat_template, "tokenizer": type(tok).__name__, "device": device_type,
+                   "param_dtype": args.fsdp.param_dtype}
+
+
 def cached_reference_logprobs(cache_dir: str, key: str, compute, meta: dict) -> tuple[torch.Tensor, bool]:
     """Load `<cache_dir>/<key>.pt`, or call compute() (collective: every rank takes part) and have rank 0 write it
     atomically (temp file, then rename). Rank 0 decides and reads, and broadcasts, so ranks need no shared disk.

@@ -46,19 +46,18 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import nn
 
 from common import checkpoint as C
 from common import dist as D
-from common.attention import attn_kwargs, register_varlen_attention
+from common.attention import attn_kwargs
 from common.args import LossAgg, RLArgs, cli
 from common.data import PromptSampler
-from common.determinism import set_deterministic
 from common.evaluate import evaluate, log_eval
 from common.fsdp import clip_grad_norm, place_frozen, shard
+from common.lifecycle import checkpoint_step, finish_run, start_run
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.passes import microbatches, rollout_logprobs, sequence_logprobs, sequence_values
@@ -69,7 +68,7 @@ from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, r
 from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, rollout_metrics, sample_rows,
                             score_rollout, step_line, sync_engine)
 from common.run_dir import claim_run_dir
-from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
+from common.stop import install_stop_handler
 from common.tracking import Progress, make_tracker, print_table, timed, to_dict
 
 
@@ -346,10 +345,7 @@ def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int],
 
 
 def main(args: Args) -> None:
-    d = D.init_distributed(args.device)
-    set_deterministic(args.deterministic)
-    D.seed_everything(args.seed)
-    register_varlen_attention()  # makes --attn-impl varlen known to transformers
+    d = start_run(args.device, args.deterministic, args.seed)  # process group, determinism, seeds, varlen attention
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 16 * d.world_size
     check_geometry(args, d.world_size, (("samples_per_prompt", 1), ("critic_lr", 0), ("critic_warmup_steps", 0)))
@@ -549,22 +545,15 @@ def main(args: Args) -> None:
         # ---- 7. evaluate, 8. checkpoint -----------------------------------------------------------------------
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.num_steps:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
-        stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
-        if stopping or step + 1 == args.num_steps or (args.save_every and (step + 1) % args.save_every == 0):
-            C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "sampler": sampler.state_dict(),
-                                                           "kl_coef": kl_coef}, args.keep_last)
-        if stopping:
-            print(f"[rank {d.rank}] stopped by signal after step {step}; resume with --resume latest", flush=True)
+        extra = {"step": step + 1, "sampler": sampler.state_dict(), "kl_coef": kl_coef}  # resumes exactly here
+        if checkpoint_step(stop, ckpt_root, step + 1, state, extra, args.num_steps, args.save_every, args.keep_last,
+                           d.rank):
+            stopping = True  # a signal on any rank: checkpointed, now leave
             break
 
     if args.eval_every and not stopping:
         evaluate_and_log(args.num_steps)  # the final evaluation, on the final weights
-    if args.export_hf:
-        C.export_hf(policy, tok, lm.config, Path(args.export_hf), prefix="lm.")
-    progress.close()
-    tracker.finish()
-    D.cleanup()
-    exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
+    finish_run(args.export_hf, policy, tok, lm.config, progress, tracker, stop)  # export, close, exit 143 if stopped
 
 
 if __name__ == "__main__":

@@ -107,8 +107,10 @@ def no_model(monkeypatch):
         # grpo.py / ppo.py resolve --model through common.rl_setup.resolve_model_once (rank 0 first)
         monkeypatch.setattr(script, "resolve_model_once" if hasattr(script, "resolve_model_once") else "resolve_model",
                             model_loaded)
-        monkeypatch.setattr(script, "set_deterministic", lambda flag: None)
         monkeypatch.setattr(script.D, "seed_everything", lambda seed: None)
+    import common.lifecycle
+    for target in (common.lifecycle, dpo):  # grpo.py and ppo.py start through common.lifecycle.start_run
+        monkeypatch.setattr(target, "set_deterministic", lambda flag: None)
 
 
 BAD = [(grpo, dict(max_new_tokens=0), "--max-new-tokens 0: must be >= 1"),

@@ -1,0 +1,43 @@
+"""A run's start, its end-of-step checkpoint and its teardown: the same in every RL script, so they live here once.
+
+start_run: process group, deterministic kernels, seeds, variable-length attention.
+checkpoint_step: after each step, agree on a signal stop across ranks and checkpoint when stopping, at the last step
+or every --save-every steps.
+finish_run: the optional HF export, then close the progress bar, the tracker and the process group, and exit 143 when
+a signal stopped the run (docs/checkpoints.md)."""
+from pathlib import Path
+
+from common import dist as D
+from common.attention import register_varlen_attention
+from common.checkpoint import export_hf, save_checkpoint
+from common.determinism import set_deterministic
+from common.stop import StopFlag, exit_if_stopped, stop_agreed
+
+
+def start_run(device: str, deterministic: bool, seed: int) -> D.Dist:
+    d = D.init_distributed(device)
+    set_deterministic(deterministic)
+    D.seed_everything(seed)
+    register_varlen_attention()  # makes --attn-impl varlen known to transformers
+    return d
+
+
+def checkpoint_step(stop: StopFlag, ckpt_root: Path, done: int, state: dict, extra: dict, num_steps: int,
+                    save_every: int, keep_last: int, rank: int) -> bool:
+    """After `done` steps. True when a signal (SIGTERM/SIGINT on any rank) asks every rank to leave now; the
+    checkpoint is then already written."""
+    stopping = stop_agreed(stop)
+    if stopping or done == num_steps or (save_every and done % save_every == 0):
+        save_checkpoint(ckpt_root, done, state, extra, keep_last)
+    if stopping:
+        print(f"[rank {rank}] stopped by signal after step {done - 1}; resume with --resume latest", flush=True)
+    return stopping
+
+
+def finish_run(export_dir: str | None, policy, tok, config, progress, tracker, stop: StopFlag) -> None:
+    if export_dir:
+        export_hf(policy, tok, config, Path(export_dir), prefix="lm.")
+    progress.close()
+    tracker.finish()
+    D.cleanup()
+    exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0

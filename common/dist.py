@@ -24,9 +24,17 @@ class Dist:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on IPv4 and IPv6 alike: gloo's store listens on both, so a port probed on 127.0.0.1 alone can be one
+    another run's store already holds on :: (seen as EADDRINUSE when two runs start on one machine)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind(("::", 0))
+            return s.getsockname()[1]
+    except OSError:  # no IPv6 on this machine
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
 
 
 def init_distributed(device: str = "auto", timeout_min: int = 30) -> Dist:

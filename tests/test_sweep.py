@@ -216,7 +216,8 @@ def test_real_grpo_grid(tmp_path, tiny_model_dir):
         cfg = json.loads((run / "config.json").read_text())
         assert (cfg["loss_agg"], str(cfg["seed"]), cfg["exp_name"]) == \
             (c["values"]["loss_agg"], c["values"]["seed"], c["name"])
-        assert [json.loads(l)["step"] for l in open(run / "metrics.jsonl")] == [0, 1, 2]
+        # evaluations are rows of their own at the step they measure: step 0's, steps 0 and 1, the final one at 2
+        assert [json.loads(l)["step"] for l in open(run / "metrics.jsonl")] == [0, 0, 1, 2]
     out = tmp_path / "fig.png"
     p = run_sweep([sys.executable, "-m", "tools.compare", str(sweep_dir), "--metrics", "eval/accuracy",
                    "reward/mean", "--x", "sequences", "--out", str(out)])

@@ -44,9 +44,9 @@ def init_distributed(device: str = "auto", timeout_min: int = 30) -> Dist:
     the collectives in the scripts take the same path either way. device: "auto" (cuda if available),
     "cuda" or "cpu".
     """
-    if "RANK" not in os.environ:  # plain python: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    alone = "RANK" not in os.environ  # plain python: a world of one
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,11 +55,21 @@ def init_distributed(device: str = "auto", timeout_min: int = 30) -> Dist:
             raise RuntimeError("--device cuda was asked for but no GPU is visible; use --device cpu")
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
-        # device_id binds the group to this GPU eagerly; vLLM's external launcher needs the group first.
-        dist.init_process_group("nccl", device_id=dev, timeout=datetime.timedelta(minutes=timeout_min))
     else:
         dev = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=timeout_min))
+    for attempt in range(5):
+        if alone:
+            os.environ["MASTER_PORT"] = str(_free_port())
+        timeout = datetime.timedelta(minutes=timeout_min)
+        try:  # nccl: device_id binds the group to this GPU eagerly; vLLM's external launcher needs the group first
+            if device == "cuda":
+                dist.init_process_group("nccl", device_id=dev, timeout=timeout)
+            else:
+                dist.init_process_group("gloo", timeout=timeout)
+            break
+        except dist.DistNetworkError:  # a world of one: the probed port was taken (e.g. by another run's connection)
+            if not alone or attempt == 4:  # before our store bound it; probe again
+                raise
     return Dist(rank=rank, world_size=world, local_rank=local_rank, device=dev)
 
 

@@ -183,3 +183,26 @@ def test_critic_export_loads_as_sequence_classification_with_the_same_values(tin
         pooled = model(input_ids=ids).logits[0, 0] + model.config.value_head_bias  # the last token's value
     torch.testing.assert_close(per_token, v, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pooled, v[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_world_of_one_probes_again_when_its_port_is_taken(tmp_path):
+    """`python grpo.py` forms a group of one on a port it probes; another process can take that port before the store
+    binds it (seen once in the SIGTERM test: EADDRINUSE). The port is probed again, not fatal."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    code = f"""
+import os, common.dist as D
+ports = iter([{port}, D._free_port()])
+D._free_port = lambda: next(ports)
+d = D.init_distributed("cpu")
+print("ok", d.world_size, os.environ["MASTER_PORT"] != "{port}")
+D.cleanup()
+"""
+    env = {k: v for k, v in script_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    try:
+        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        held.close()
+    assert p.returncode == 0 and p.stdout.split() == ["ok", "1", "True"], p.stdout + p.stderr[-2000:]

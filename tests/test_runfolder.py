@@ -123,7 +123,11 @@ def test_full_disk_says_no_space_left(tmp_path, monkeypatch, how):
 
 
 def script_env():
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    # Without the process-group variables an earlier in-process test may have left in os.environ (RANK, MASTER_PORT):
+    # inherited, both runs of the SIGTERM test used one MASTER_PORT and the second died of EADDRINUSE.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
 

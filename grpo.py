@@ -41,26 +41,25 @@ from typing import Literal
 
 import torch
 
-from common import checkpoint as C
 from common import dist as D
 from common.attention import attn_kwargs
 from common.args import LossAgg, RLArgs, cli
 from common.data import PromptSampler
 from common.evaluate import evaluate, log_eval
-from common.fsdp import clip_grad_norm, place_frozen, shard
+from common.fsdp import clip_grad_norm
 from common.lifecycle import checkpoint_step, finish_run, start_run
-from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
-from common.passes import microbatches, rollout_logprobs, sequence_logprobs
+from common.passes import microbatches, minibatch_order, rollout_logprobs, sequence_logprobs
 from common.perf import perf_metrics
 from common.progress import show_phase
 from common.rewards import load_reward_fn
-from common.rl_setup import check_geometry, geometry_rows, load_prompt_splits, resolve_model_once
-from common.rollout import (RolloutBatch, gather_rollout, generate, make_engine, merge_rollouts, rollout_metrics,
-                            sample_rows, score_rollout, step_line, sync_engine)
+from common.rl_setup import (check_geometry, load_policy, load_prompt_splits, resolve_model_once, resume_run,
+                             rollout_engine, start_tracking)
+from common.rollout import (RolloutBatch, gather_rollout, generate, log_step, merge_rollouts, rollout_metrics,
+                            score_rollout, sync_engine)
 from common.run_dir import claim_run_dir
 from common.stop import install_stop_handler
-from common.tracking import Profile, Progress, make_tracker, print_table, timed, to_dict
+from common.tracking import Profile, Progress, timed
 
 
 @dataclass
@@ -345,20 +344,14 @@ def main(args: Args) -> None:
     if args.overlong == "soft" and not 0 < args.overlong_buffer <= args.max_new_tokens:
         raise ValueError(f"--overlong soft needs 0 < --overlong-buffer ({args.overlong_buffer}) <= --max-new-tokens")
     check_geometry(args, d.world_size, (("dynamic_sampling_max_rounds", 1),))
-    run_dir = Path(args.out_dir) / args.exp_name
-    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
+    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite)  # one run at a time
+    ckpt_root = run_dir / "checkpoints"
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
     # ---- models and optimiser ------------------------------------------------------------------------------
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF first
-    tok = load_tokenizer(model_path)
-    stop_ids = eos_token_ids(tok, model_path)
-    policy, plan = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
-                         root=TokenLogProbs(lm, args.logprob_impl))
-    ref, ref_early = None, False
-    if args.kl_coef > 0:  # the frozen reference, only when the KL term is on
-        rlm = load_causal_lm(model_path, args.attn_impl, trainable=False)
-        ref, ref_early = place_frozen(rlm, args.fsdp, d.device, args.reference, root=TokenLogProbs(rlm, args.logprob_impl))
+    # the policy sharded by FSDP2 (plan: its decisions); the frozen reference only when the KL term is on
+    tok, stop_ids, lm, policy, plan, ref, ref_early = load_policy(args, model_path, d.device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -368,35 +361,17 @@ def main(args: Args) -> None:
     train, dropped, evals = load_prompt_splits(args, tok, d.rank, d.world_size)
     sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
     reward_fn = load_reward_fn(args.reward_fn)
-    engine = make_engine(rollout_kind, model_path, args.vllm, args.max_prompt_tokens + args.max_new_tokens,
-                         args.seed, d.device, tok.pad_token_id, stop_ids)
-    sampling = dict(top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                    stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
+    engine, sampling = rollout_engine(args, rollout_kind, model_path, args.seed, d.device, tok, stop_ids)
 
-    ckpt_root = run_dir / "checkpoints"
     state = {"policy": (policy, optimizer), "scheduler": scheduler}
-    start, resume_from = 0, C.resolve_resume(args.resume, ckpt_root)
-    kl_coef = args.kl_coef  # beta; the adaptive controller's state
-    if resume_from:  # model, optimiser, LR schedule, kl_coef, RNG and data position, exactly as they were
-        extra = C.load_checkpoint(resume_from, state)
-        start, kl_coef = extra["step"], extra.get("kl_coef", args.kl_coef)
-        sampler.load_state_dict(extra["sampler"])
+    # resume: model, optimiser, LR schedule, kl_coef (beta, the adaptive controller's state), RNG, data position
+    start, resume_from, kl_coef = resume_run(args.resume, ckpt_root, state, sampler, args.kl_coef)
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
-    config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind, "model_path": model_path,
-                              "train_prompts": len(train), "train_prompts_dropped_too_long": dropped,
-                              "resumed_from": str(resume_from or "")}
-    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
-                           resume_step=start if resume_from else None)
-    if d.is_main:
-        print(print_table("batch geometry", {
-            "ranks": d.world_size, "prompts / step (P)": args.prompts_per_step, "group size (G)": args.group_size,
-            "sequences / step (P*G)": args.sequences_per_step, **geometry_rows(args, d.world_size, d.device),
-            **plan.table(),
-            "old log-prob pass": "yes" if args.recompute_old_logp else "no (one step per rollout)",
-            "reference model": ("no (kl_coef = 0)" if ref is None else
-                                "replicated, scored before the gather" if ref_early else "sharded"),
-            "rollout engine": rollout_kind, "train prompts (dropped too long)": f"{len(train)} ({dropped})"}),
-            flush=True)
+    tracker = start_tracking(args, d, run_dir, start, resume_from, {"model_path": model_path}, {
+        "prompts / step (P)": args.prompts_per_step, "group size (G)": args.group_size,
+        "sequences / step (P*G)": args.sequences_per_step,
+        "old log-prob pass": "yes" if args.recompute_old_logp else "no (one step per rollout)"},
+        plan, ref, ref_early, rollout_kind, len(train), dropped)
 
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
         show_phase(progress, at, f"evaluating on {args.eval_size} held-out prompts (greedy)")
@@ -405,13 +380,12 @@ def main(args: Args) -> None:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     G, width = args.group_size, args.max_new_tokens
-    progress, stopping = Progress(d.is_main, args.num_steps, start), False
+    progress, stopping = Progress(d.is_main, args.num_steps, start), False  # stopping: by a signal
     sync_engine(engine, policy, resume_from is not None, plan.keep_gathered, {})  # wake it; refit a resumed policy
     if args.eval_every and start % args.eval_every == 0 and start < args.num_steps:
         evaluate_and_log(start)
     for step in range(start, args.num_steps):
-        perf: dict[str, float] = {}
-        t_step = time.perf_counter()
+        perf, t_step = {}, time.perf_counter()  # the step's timed phases (seconds) and its start
         # ---- 1. generate, 2. score: one round, or DAPO dynamic sampling's rounds until P groups have reward variance
         parts, informative = [], 0  # each round's rollout (gathered from every rank); groups with reward variance
         while not parts or (args.dynamic_sampling and informative < args.prompts_per_step
@@ -475,18 +449,14 @@ def main(args: Args) -> None:
         grad_norms = []
         gen = torch.Generator().manual_seed(args.seed + step)
         with timed(perf, "update"):
-            for epoch in range(args.num_epochs):
-                order = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
-                for minibatch in (order[i::args.num_minibatches] for i in range(args.num_minibatches)):
-                    if not minibatch:
-                        continue
-                    loss = learn_minibatch(policy, plan, batch, minibatch, mask, adv, old_logp,
-                                           None if args.kl_in_reward else ref_logp, engine_logp, engine_mask, args,
-                                           d, stats, kl_coef)
-                    grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
-                    if guard.check(grad_norms[-1], float(loss), step):  # non-finite: skip the update, stop after k
-                        optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+            for epoch, minibatch in minibatch_order(rows, args.num_epochs, args.num_minibatches, gen):  # shuffled
+                loss = learn_minibatch(policy, plan, batch, minibatch, mask, adv, old_logp,
+                                       None if args.kl_in_reward else ref_logp, engine_logp, engine_mask, args,
+                                       d, stats, kl_coef)
+                grad_norms.append(clip_grad_norm(policy, args.max_grad_norm))
+                if guard.check(grad_norms[-1], float(loss), step):  # non-finite: skip the update, stop after k
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
         prof.stop(d.is_main)
@@ -515,21 +485,15 @@ def main(args: Args) -> None:
         if ref is not None:  # Ziegler et al. 2019: steer the mean per-sequence KL towards --kl-target
             kl_coef = update_kl_coef(kl_coef, kl_sum / max(1, args.num_epochs * len(rows)), args.kl_target,
                                      args.kl_horizon, len(rows))
-        if step == start and rollout_kind == "vllm" and d.is_main and (hint := engine.resident_hint(perf)):
-            print(hint, flush=True)  # once: the engine would fit beside training without sleeping
-        tracker.log({k: float(v) for k, v in metrics.items()}, step)
-        if args.log_samples_every and step % args.log_samples_every == 0:
-            tracker.log_samples(sample_rows(prompt_texts, texts, answers, batch.rewards), step)
-        progress.update(step_line(step, metrics), reward=metrics["reward/mean"], s_per_step=perf["step_s"])
+        log_step(tracker, progress, step, metrics, args.log_samples_every, (prompt_texts, texts, answers, batch.rewards),
+                 hint=engine.resident_hint(perf) if step == start and d.is_main else None)  # the engine could stay
 
         # ---- 7. evaluate, 8. checkpoint -----------------------------------------------------------------------
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.num_steps:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
-        extra = {"step": step + 1, "sampler": sampler.state_dict(), "kl_coef": kl_coef}  # resumes exactly here
-        if checkpoint_step(stop, ckpt_root, step + 1, state, extra, args.num_steps, args.save_every, args.keep_last,
-                           d.rank):
-            stopping = True  # a signal on any rank: checkpointed, now leave
-            break
+        if stopping := checkpoint_step(stop, ckpt_root, step + 1, state, {"sampler": sampler.state_dict(),
+                                                                          "kl_coef": kl_coef}, args, d.rank):
+            break  # a signal on any rank: checkpointed (resumes exactly here), now leave
 
     if args.eval_every and not stopping:
         evaluate_and_log(args.num_steps)  # the final evaluation, on the final weights

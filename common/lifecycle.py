@@ -22,13 +22,12 @@ def start_run(device: str, deterministic: bool, seed: int) -> D.Dist:
     return d
 
 
-def checkpoint_step(stop: StopFlag, ckpt_root: Path, done: int, state: dict, extra: dict, num_steps: int,
-                    save_every: int, keep_last: int, rank: int) -> bool:
-    """After `done` steps. True when a signal (SIGTERM/SIGINT on any rank) asks every rank to leave now; the
-    checkpoint is then already written."""
+def checkpoint_step(stop: StopFlag, ckpt_root: Path, done: int, state: dict, extra: dict, args, rank: int) -> bool:
+    """After `done` steps (of args.num_steps; --save-every, --keep-last). True when a signal (SIGTERM/SIGINT on any
+    rank) asks every rank to leave now; the checkpoint, with {"step": done} | extra, is then already written."""
     stopping = stop_agreed(stop)
-    if stopping or done == num_steps or (save_every and done % save_every == 0):
-        save_checkpoint(ckpt_root, done, state, extra, keep_last)
+    if stopping or done == args.num_steps or (args.save_every and done % args.save_every == 0):
+        save_checkpoint(ckpt_root, done, state, {"step": done} | extra, args.keep_last)
     if stopping:
         print(f"[rank {rank}] stopped by signal after step {done - 1}; resume with --resume latest", flush=True)
     return stopping

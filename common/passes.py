@@ -71,6 +71,16 @@ def microbatch_rows(models: list[tuple[nn.Module, ShardPlan]], lengths: list[int
         yield mb_rows
 
 
+def minibatch_order(rows: list[int], num_epochs: int, num_minibatches: int, gen: torch.Generator):
+    """(epoch, mini-batch) pairs of an update: each epoch shuffles `rows` with `gen`, then deals them into
+    num_minibatches mini-batches (row i goes to mini-batch i mod num_minibatches); empty ones are skipped."""
+    for epoch in range(num_epochs):
+        order = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
+        for minibatch in (order[i::num_minibatches] for i in range(num_minibatches)):
+            if minibatch:
+                yield epoch, minibatch
+
+
 def microbatches(models: list[tuple[nn.Module, ShardPlan]], prompts, responses, rows, world: int, rank: int,
                  budget: int, device) -> Iterator[MicroBatch]:
     """microbatch_rows of (prompt, response) sequences, packed and on the device."""

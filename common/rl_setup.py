@@ -1,14 +1,19 @@
 """Setup the RL scripts (grpo.py, ppo.py) share, run once before the loop: checking the batch geometry, the
-derived geometry for the table printed at start, and the prompts. Each takes the script's Args, whose field names
-the two scripts share (the flags its error messages name)."""
+policy and its reference, the prompts, the rollout engine, resuming, the tracker and the table printed at start.
+Each takes the script's Args, whose field names the two scripts share (the flags its error messages name)."""
 import math
 import os
+from pathlib import Path
 
 import torch
 
+from common import checkpoint as C
 from common.attention import describe
 from common.data import build_prompts, load_rows
-from common.models import resolve_model
+from common.fsdp import place_frozen, shard
+from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from common.rollout import make_engine
+from common.tracking import make_tracker, print_table, to_dict
 
 
 SIZES = (("num_steps", 0), ("prompts_per_step", 1), ("eval_size", 0), ("eval_n", 0), ("max_prompt_tokens", 1),
@@ -92,3 +97,57 @@ def resolve_model_once(spec: str, is_main: bool) -> str:
     path = resolve_model(spec) if is_main else None
     torch.distributed.barrier()
     return path if is_main else resolve_model(spec)
+
+
+def load_policy(args, model_path: str, device):
+    """The tokenizer, its stop ids, the policy LM sharded with its log-prob root (FSDP2, common.fsdp.shard) and,
+    only when the KL term is on (--kl-coef > 0), the frozen reference placed as --reference says (sharded, or a
+    whole copy per rank scored before the gather: ref_early). Returns tok, stop_ids, lm, policy, plan, ref,
+    ref_early (ref None without a KL term)."""
+    tok = load_tokenizer(model_path)
+    lm = load_causal_lm(model_path, args.attn_impl)
+    policy, plan = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl))
+    ref, ref_early = None, False
+    if args.kl_coef > 0:
+        rlm = load_causal_lm(model_path, args.attn_impl, trainable=False)
+        ref, ref_early = place_frozen(rlm, args.fsdp, device, args.reference, root=TokenLogProbs(rlm, args.logprob_impl))
+    return tok, eos_token_ids(tok, model_path), lm, policy, plan, ref, ref_early
+
+
+def rollout_engine(args, kind: str, model_path: str, seed: int, device, tok, stop_ids):
+    """The rollout engine (vLLM or the HF engine) for prompts of --max-prompt-tokens plus --max-new-tokens, and the
+    sampling settings every generation and evaluation of the run uses."""
+    engine = make_engine(kind, model_path, args.vllm, args.max_prompt_tokens + args.max_new_tokens, seed, device,
+                         tok.pad_token_id, stop_ids)
+    return engine, dict(top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
+                        stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
+
+
+def resume_run(resume: str | None, ckpt_root: Path, state: dict, sampler, kl_coef: float):
+    """--resume: load models, optimisers, LR schedules, RNG and the data position into `state` and `sampler`, exactly
+    as they were. Returns (the step to start at, the checkpoint or None, the adaptive KL coefficient)."""
+    resume_from = C.resolve_resume(resume, ckpt_root)
+    if not resume_from:
+        return 0, None, kl_coef
+    extra = C.load_checkpoint(resume_from, state)
+    sampler.load_state_dict(extra["sampler"])
+    return extra["step"], resume_from, extra.get("kl_coef", kl_coef)
+
+
+def start_tracking(args, d, run_dir: Path, start: int, resume_from, config: dict, rows: dict, plan, ref,
+                   ref_early: bool, rollout_kind: str, train_size: int, dropped: int):
+    """The run's tracker (rank 0; a stand-in elsewhere) with the full config (args, `config`, the shared derived
+    values), and the batch-geometry table printed on rank 0: the script's `rows`, then the shared ones."""
+    config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind} | config | {
+        "train_prompts": train_size, "train_prompts_dropped_too_long": dropped, "resumed_from": str(resume_from or "")}
+    tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
+                           resume_step=start if resume_from else None)
+    if d.is_main:
+        print(print_table("batch geometry", {"ranks": d.world_size, **rows, **geometry_rows(args, d.world_size, d.device),
+                                             **plan.table(), "reference model": (
+                                                 "no (kl_coef = 0)" if ref is None else
+                                                 "replicated, scored before the gather" if ref_early else "sharded"),
+                                             "rollout engine": rollout_kind,
+                                             "train prompts (dropped too long)": f"{train_size} ({dropped})"}),
+              flush=True)
+    return tracker

@@ -172,6 +172,18 @@ def step_line(step: int, metrics: dict) -> str:
             f" | {metrics['perf/step_s']:.1f} s/step")
 
 
+def log_step(tracker, progress, step: int, metrics: dict, samples_every: int, samples: tuple,
+             hint: str | None = None) -> None:
+    """A step's metrics row; every `samples_every` steps (0: never) a few of this rank's samples, from `samples` =
+    (prompts, completions, answers, rewards); then the progress line (or bar) of the step, after `hint` if any."""
+    if hint:
+        print(hint, flush=True)
+    tracker.log({k: float(v) for k, v in metrics.items()}, step)
+    if samples_every and step % samples_every == 0:
+        tracker.log_samples(sample_rows(*samples), step)
+    progress.update(step_line(step, metrics), reward=metrics["reward/mean"], s_per_step=metrics["perf/step_s"])
+
+
 class HFEngine:
     """transformers `generate` on its own copy of the weights, refit from the trainer like the vLLM engine, so
     the CPU path exercises the same choreography (wake, load_weights, generate, sleep)."""
@@ -183,6 +195,10 @@ class HFEngine:
         self.device, self.pad, self.eos = device, pad_token_id, list(eos_token_ids or [])
         self.params = dict(self.model.named_parameters())
         self.timings: dict[str, float] = {}
+
+    def resident_hint(self, perf: dict) -> None:
+        """VLLMEngine's hint when it sleeps although it would fit beside training; this engine never sleeps."""
+        return None
 
     @torch.no_grad()
     def generate(self, prompt_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, seed=0,

@@ -67,10 +67,10 @@ def _unlock(lock: Path, pid: int) -> None:
         pass
 
 
-def claim_run_dir(run_dir: Path, resume: str, overwrite: bool) -> None:
+def claim_run_dir(run_dir: Path, resume: str, overwrite: bool) -> Path:
     """Lock the run folder for this run and refuse to start fresh over an earlier run's metrics or checkpoints
     unless --resume or --overwrite (which deletes its checkpoints) is given. A collective: rank 0 checks, every
-    rank raises the same error. The lock is released when the process exits."""
+    rank raises the same error. The lock is released when the process exits. Returns the folder."""
     error = ""
     if D.rank() == 0:
         run_dir = Path(run_dir)
@@ -93,3 +93,4 @@ def claim_run_dir(run_dir: Path, resume: str, overwrite: bool) -> None:
     error = D.broadcast_object(error)
     if error:
         raise RunDirError(error)
+    return Path(run_dir)

@@ -170,16 +170,17 @@ class TokenLogProbs(nn.Module):
         if loss is not None:
             value, logp, entropy = token_loss(hidden.flatten(0, 1)[sel], weight, flat[sel], loss.fn, loss.token_args,
                                               temperature, self.impl, self.workspace_mb)
-            return value, scatter(logp), scatter(entropy)
-        logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
+        else:
+            logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
+        first = () if loss is None else (value,)
         if not argmax:
-            return scatter(logp), scatter(entropy)
+            return *first, scatter(logp), scatter(entropy)
         with torch.no_grad():  # the kernel never forms the logits: one more pass through the head, 1024 rows at a time
             h = hidden.detach().flatten(0, 1)[sel]  # (N, H)
             top = torch.cat([(c @ weight.detach().T.to(c.dtype)).argmax(-1) for c in h.split(1024)]) if len(sel) \
                 else flat[sel]
             hit = (top == flat[sel]).float()  # (N,)
-        return scatter(logp), scatter(entropy), scatter(hit)
+        return *first, scatter(logp), scatter(entropy), scatter(hit)
 
 
 class TokenLoss:

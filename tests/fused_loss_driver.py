@@ -4,7 +4,7 @@ fp32 reference log-probs: the path CPU runs take), and save the loss, the statis
 
     python tests/fused_loss_driver.py OUT.pt DEVICE CASE [CASE ...]      (DEVICE: cpu, or cuda: bf16 compute)
 
-Cases: grpo-token-mean, grpo-seq-mean, grpo-gspo, ppo-token-mean, ppo-warmup (names in CASES below).
+Cases: grpo-token-mean, grpo-seq-mean, grpo-gspo, ppo-token-mean, ppo-warmup, sft (sft.learn_step's NLL).
 """
 import os
 import sys
@@ -16,8 +16,10 @@ if not torch.cuda.is_available():
 
 import grpo  # noqa: E402
 import ppo  # noqa: E402
+import sft  # noqa: E402
 from common import dist as D  # noqa: E402
 from common import models  # noqa: E402
+from common.chat import Example  # noqa: E402
 from common.fsdp import FSDPArgs, shard  # noqa: E402
 from common.models import TokenLogProbs  # noqa: E402
 from common.passes import sequence_logprobs  # noqa: E402
@@ -31,6 +33,7 @@ CASES = {  # script, its Args' flags, old_logp given (else pi_old = pi.detach())
     "ppo-token-mean": ("ppo", dict(entropy_coef=0.01, tis_cap=1.5, dual_clip_c=3.0, loss_agg="token-mean"), True, True,
                        24),
     "ppo-warmup": ("ppo", dict(loss_agg="seq-mean-token-sum-norm"), True, True, 256),  # train_policy False
+    "sft": ("sft", dict(token_accuracy=True), False, False, 24),
 }
 
 out_path, device, names = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -76,9 +79,11 @@ for name in names:
         value_model = ppo.ValueModel(clm)
         torch.nn.init.normal_(value_model.head.weight, std=0.1)  # not the zero start: a critic gradient of substance
         critic, critic_plan = shard(clm, FSDPArgs(), d.device, root=value_model)
-    mod = grpo if script == "grpo" else ppo
-    args = mod.Args(max_new_tokens=width, max_tokens_per_microbatch=budget, temperature=0.7, **flags)
-    logp_now = sequence_logprobs(policy, prompts, responses, rows, 1, 0, 256, args.temperature, width, d.device)
+    mod = {"grpo": grpo, "ppo": ppo, "sft": sft}[script]
+    args = mod.Args(max_tokens_per_microbatch=budget, **flags) if script == "sft" else \
+        mod.Args(max_new_tokens=width, max_tokens_per_microbatch=budget, temperature=0.7, **flags)
+    logp_now = sequence_logprobs(policy, prompts, responses, rows, 1, 0, 256, getattr(args, "temperature", 1.0),
+                                width, d.device)
     old_logp = (logp_now + 0.5 * old_noise) * mask if given_old or script == "ppo" else None  # ratios beyond 1 +- 0.2
     ref_logp = (logp_now + 0.3 * ref_noise) * mask
     adv = adv_tok if per_token_adv else adv_seq
@@ -86,12 +91,19 @@ for name in names:
     for path, impl, fused in (("fused", "fused", True), ("plain", "torch", False)):
         policy.impl, args.logprob_impl, args.fused_loss = impl, impl, fused
         keys = ("pg_loss", "entropy", "clip_frac", "tokens", "gap_sum", "gap_max", "tis_w", "kl")
-        if script == "ppo":
+        if script == "sft":
+            keys = sft.STATS
+        elif script == "ppo":
             keys = ("pg_loss", "vf_loss", "entropy", "clip_frac", "vf_clip_frac", "approx_kl", "tokens", "gap_sum",
                     "gap_max", "tis_w")
         stats = {k: torch.zeros((), device=d.device) for k in keys}
         n_calls = len(calls)
-        if script == "grpo":
+        if script == "sft":  # conversations: the assistant tokens are the rollout's responses, a masked one among them
+            examples = [Example(p + r, [False] * len(p) + mask[i, :len(r)].bool().tolist())
+                        for i, (p, r) in enumerate(zip(prompts, responses))]
+            s = sft.learn_step(policy, plan, examples, rows[::-1], args, d)
+            loss, stats = s[1] / s[0], dict(zip(keys, s))
+        elif script == "grpo":
             loss = grpo.learn_minibatch(policy, plan, batch, rows, mask, adv, old_logp,
                                         ref_logp if args.kl_coef else None, engine_logp, engine_mask, args, d, stats)
         else:

@@ -1,4 +1,4 @@
-"""--fused-loss in the scripts: grpo.learn_minibatch and ppo.learn_minibatch with the loss's gradient computed inside
+"""--fused-loss in the scripts: grpo.learn_minibatch, ppo.learn_minibatch and sft.learn_step with the loss's gradient computed inside
 the LM head's forward (common.models.TokenLoss -> kernels.token_loss) give the loss, every logged statistic and the
 gradients of the unfused path (token_logprobs, then the loss). tests/fused_loss_driver.py runs both on one synthetic
 rollout (a tiny Llama; without a GPU the kernels run in Triton's interpreter)."""
@@ -13,7 +13,7 @@ from common.models import TokenLoss, linear_weights
 from common.packing import pack
 from conftest import ROOT
 
-CASES = ("grpo-token-mean", "grpo-seq-mean", "grpo-gspo", "ppo-token-mean", "ppo-warmup")
+CASES = ("grpo-token-mean", "grpo-seq-mean", "grpo-gspo", "ppo-token-mean", "ppo-warmup", "sft")
 
 
 def run_driver(out, device):

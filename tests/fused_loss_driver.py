@@ -71,14 +71,14 @@ for name in names:
     torch.manual_seed(0)
     lm = LlamaForCausalLM(LlamaConfig(**cfg_kw, attn_implementation="sdpa"))
     lm.config.use_cache = False
-    policy, plan = shard(lm, FSDPArgs(), d.device, root=TokenLogProbs(lm, "torch"))
+    policy, plan = shard(lm, FSDPArgs(compile="off"), d.device, root=TokenLogProbs(lm, "torch"))
     critic = critic_plan = None
     if script == "ppo":
         torch.manual_seed(1)
         clm = LlamaForCausalLM(LlamaConfig(**cfg_kw, attn_implementation="sdpa"))
         value_model = ppo.ValueModel(clm)
         torch.nn.init.normal_(value_model.head.weight, std=0.1)  # not the zero start: a critic gradient of substance
-        critic, critic_plan = shard(clm, FSDPArgs(), d.device, root=value_model)
+        critic, critic_plan = shard(clm, FSDPArgs(compile="off"), d.device, root=value_model)
     mod = {"grpo": grpo, "ppo": ppo, "sft": sft}[script]
     args = mod.Args(max_tokens_per_microbatch=budget, **flags) if script == "sft" else \
         mod.Args(max_new_tokens=width, max_tokens_per_microbatch=budget, temperature=0.7, **flags)

@@ -143,7 +143,8 @@ def eos_token_ids(tokenizer, model_path: str) -> list[int]:
 
 class TokenLogProbs(nn.Module):
     """An HF causal LM whose forward returns log p(target) and entropy per token, from the final hidden states
-    through kernels.token_logprobs, so the (tokens x vocab) logits are never materialised.
+    through kernels.token_logprobs (given a TokenLoss, also the loss, through kernels.token_loss), so the
+    (tokens x vocab) logits are never materialised.
 
     FSDP2 shards it as the root, so the LM head weight is all-gathered inside this forward.
     """

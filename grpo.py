@@ -48,6 +48,7 @@ from common.data import PromptSampler
 from common.evaluate import evaluate, log_eval
 from common.fsdp import clip_grad_norm
 from common.lifecycle import checkpoint_step, finish_run, start_run
+from common.models import TokenLoss, linear_weights
 from common.nan_guard import NanGuard
 from common.passes import microbatches, minibatch_order, rollout_logprobs, sequence_logprobs
 from common.perf import perf_metrics
@@ -268,32 +269,38 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tenso
     return (r.max(1).values > r.min(1).values).repeat_interleave(group_size)
 
 
+def token_policy_loss(logp, entropy, adv, old_logp, ref_logp, engine_logp, has_engine, args: Args,
+                      kl_coef: float | None = None, pg_old=None):
+    """GRPO's loss per token before aggregation, where the ratio was clipped, the TIS weight and the KL (None: off);
+    elementwise in (logp, entropy), so kernels.token_loss can take it. old_logp None: pi.detach(); pg_old: GSPO's."""
+    old_logp = logp.detach() if old_logp is None else old_logp
+    loss_tok, clipped = clipped_pg_loss(logp, old_logp if pg_old is None else pg_old, adv, args.clip_eps_low,
+                                        args.clip_eps_high, args.dual_clip_c)
+    w = torch.exp(old_logp - engine_logp).clamp(max=args.tis_cap).where(has_engine, 1.0) if args.tis_cap > 0 else None
+    kl = kl_penalty(logp, ref_logp, args.kl_estimator) if ref_logp is not None else None
+    loss_tok = loss_tok if w is None else loss_tok * w  # truncated IS: the engine sampled from a slightly other pi
+    loss_tok = loss_tok if kl is None else loss_tok + (args.kl_coef if kl_coef is None else kl_coef) * kl
+    if args.entropy_coef:
+        loss_tok = loss_tok - args.entropy_coef * entropy
+    return loss_tok, clipped, w, kl
+
+
 def policy_loss(logp, entropy, mask, adv, old_logp, ref_logp, engine_logp, args: Args, normaliser: float,
                 engine_mask=None, kl_coef: float | None = None):
     """One micro-batch's share of the GRPO loss, and its summed statistics. All (b, T), adv also (b,); ref_logp None:
     no KL term in the loss; engine_mask (bool): the tokens the engine gave a log-prob for (None: all; a mask, not
     engine_logp != 0: log 1 = 0 is a log-prob); kl_coef: the adaptive controller's beta (None: --kl-coef)."""
-    pg_old = sequence_ratio_old_logp(logp, old_logp, mask) if args.ratio_level == "sequence" else old_logp  # GSPO
-    loss_tok, clipped = clipped_pg_loss(logp, pg_old, adv, args.clip_eps_low, args.clip_eps_high,
-                                        args.dual_clip_c)  # (b, T)
+    pg_old = sequence_ratio_old_logp(logp, old_logp, mask) if args.ratio_level == "sequence" else None  # GSPO
     has_engine_logp = torch.ones_like(mask, dtype=torch.bool) if engine_mask is None else engine_mask
-    stats = {}
-    if args.tis_cap > 0:  # truncated IS: the engine sampled from a slightly different pi than the trainer computes
-        w = torch.exp(old_logp - engine_logp).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
-        loss_tok = loss_tok * w
-        stats["tis_w"] = (w * mask).sum().detach()
-    if ref_logp is not None:
-        kl = kl_penalty(logp, ref_logp, args.kl_estimator)
-        loss_tok = loss_tok + (args.kl_coef if kl_coef is None else kl_coef) * kl
-        stats["kl"] = (kl * mask).sum().detach()
-    if args.entropy_coef:
-        loss_tok = loss_tok - args.entropy_coef * entropy
+    loss_tok, clipped, w, kl = token_policy_loss(logp, entropy, adv, old_logp, ref_logp, engine_logp, has_engine_logp,
+                                                 args, kl_coef, pg_old)  # (b, T)
     loss = aggregate_loss(loss_tok, mask, args.loss_agg, normaliser)
     with torch.no_grad():
         gap = ((old_logp - engine_logp).abs() * mask).where(has_engine_logp, 0.0)  # engine-vs-trainer log-prob gap
-        stats |= {"pg_loss": (loss_tok * mask).sum(), "entropy": (entropy * mask).sum(),
-                  "clip_frac": (clipped.float() * mask).sum(), "tokens": mask.sum(), "gap_sum": gap.sum(),
-                  "gap_max": gap.max() if gap.numel() else gap.new_zeros(())}
+        stats = {"pg_loss": (loss_tok * mask).sum(), "entropy": (entropy * mask).sum(),
+                 "clip_frac": (clipped.float() * mask).sum(), "tokens": mask.sum(), "gap_sum": gap.sum(),
+                 "gap_max": gap.max() if gap.numel() else gap.new_zeros(())}
+        stats |= {k: (x * mask).sum() for k, x in (("tis_w", w), ("kl", kl)) if x is not None}
     return loss, stats
 
 
@@ -314,17 +321,21 @@ def learn_minibatch(policy, plan, batch: RolloutBatch, rows: list[int], mask, ad
     summed statistics into `stats`. mask, old_logp, ref_logp, engine_logp, engine_mask: (B, T) on the device; adv:
     (B, T) or (B,); kl_coef: the adaptive controller's beta (None: --kl-coef)."""
     normaliser = loss_normaliser(mask[rows], args.loss_agg, args.max_new_tokens)  # the WHOLE mini-batch's
+    # --fused-loss: the loss's gradient in the LM head's forward (not GSPO's: its ratio couples a sequence's tokens)
+    fused = args.ratio_level == "token" and TokenLoss.runs_fused(args.fused_loss, args.logprob_impl, d.device)
+    weight = linear_weights(lambda x: aggregate_loss(x, mask, args.loss_agg, normaliser), mask) if fused else None
     mb_loss = torch.zeros((), device=d.device)  # for the non-finite guard
     for mb in microbatches([(policy, plan)], batch.prompt_ids, batch.response_ids, rows, d.world_size, d.rank,
                            args.max_tokens_per_microbatch, d.device):
-        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature, scored=mb.pos,
-                               **attn_kwargs(mb))
-        logp, entropy = mb.unpack(logp, args.max_new_tokens), mb.unpack(entropy, args.max_new_tokens)  # (b, T)
+        per_tok = (mb.take(x) for x in (weight, adv, old_logp, ref_logp, engine_logp, engine_mask))  # (n,) each
+        out = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature, scored=mb.pos, **attn_kwargs(mb),
+                     loss=TokenLoss(lambda *x: token_policy_loss(*x, args, kl_coef)[0], *per_tok) if fused else None)
+        logp, entropy = (mb.unpack(x, args.max_new_tokens) for x in out[-2:])  # (b, T); fused: detached
         i = mb.index  # (b,) this micro-batch's rows (none in a padding micro-batch: a zero loss, same FSDP calls)
-        loss, mb_stats = policy_loss(logp, entropy, mask[i], adv[i],
-                                     old_logp[i] if old_logp is not None else logp.detach(),
+        loss, mb_stats = policy_loss(logp, entropy, mask[i], adv[i], logp.detach() if old_logp is None else old_logp[i],
                                      ref_logp[i] if ref_logp is not None else None, engine_logp[i], args, normaliser,
                                      engine_mask[i], kl_coef)
+        loss = out[0] if fused else loss  # fused: policy_loss gave the statistics, the kernel the loss
         loss.backward()  # this rank's share of the mini-batch loss: shard() sums the gradients over ranks
         mb_loss += loss.detach()
         for k, v in mb_stats.items():

@@ -57,7 +57,7 @@ from common.data import PromptSampler
 from common.evaluate import evaluate, log_eval
 from common.fsdp import clip_grad_norm, shard
 from common.lifecycle import checkpoint_step, finish_run, start_run
-from common.models import load_causal_lm
+from common.models import TokenLoss, linear_weights, load_causal_lm
 from common.nan_guard import NanGuard
 from common.passes import microbatches, minibatch_order, rollout_logprobs, sequence_logprobs, sequence_values
 from common.perf import perf_metrics
@@ -277,6 +277,20 @@ def lr_lambda(step: int, warmup_steps: int, num_steps: int, schedule: str) -> fl
 
 
 
+def token_pg_loss(logp, entropy, adv, old_logp, engine_logp, has_engine_logp, args: Args):
+    """PPO's policy loss per token before aggregation, where the ratio was clipped, and the truncated-IS weight (None:
+    off); elementwise in (logp, entropy), so kernels.token_loss can compute its gradient in the LM head's forward."""
+    loss_tok, clipped = clipped_pg_loss(logp, old_logp, adv, args.clip_eps_low, args.clip_eps_high,
+                                        args.dual_clip_c)  # per-token advantages
+    w = None
+    if args.tis_cap > 0:  # truncated IS: correct for the engine sampling from a slightly other pi
+        w = torch.exp(old_logp - engine_logp).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
+        loss_tok = loss_tok * w
+    if args.entropy_coef:
+        loss_tok = loss_tok - args.entropy_coef * entropy
+    return loss_tok, clipped, w
+
+
 # ---- the critic --------------------------------------------------------------------------------------------
 class ValueModel(nn.Module):
     """V(s_t): a scalar head on the final hidden state of a causal LM's backbone (its LM head is unused). forward
@@ -307,27 +321,27 @@ def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int],
     packs its balanced share into micro-batches), leaving both gradients in .grad; returns this rank's share of
     the loss and adds the summed statistics into `stats`. All tensors on the device: (B, T), except rows."""
     normaliser = loss_normaliser(mask[rows], args.loss_agg, args.max_new_tokens)  # the WHOLE mini-batch's
+    # --fused-loss: the policy loss's gradient inside the LM head's forward (kernels.token_loss via common.models)
+    fused = TokenLoss.runs_fused(args.fused_loss, args.logprob_impl, d.device)
+    weight = linear_weights(lambda x: aggregate_loss(x, mask, args.loss_agg, normaliser), mask) if fused else None
     mb_loss = torch.zeros((), device=d.device)  # for the non-finite guard
     for mb in microbatches([(policy, plans[0]), (critic, plans[1])], batch.prompt_ids, batch.response_ids, rows,
                            d.world_size, d.rank, args.max_tokens_per_microbatch, d.device):
-        logp, entropy = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature, scored=mb.pos,
-                               **attn_kwargs(mb))
+        per_tok = (mb.take(x) for x in (weight, adv, old_logp, engine_logp, engine_mask))  # (n,) each
+        out = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature, scored=mb.pos, **attn_kwargs(mb),
+                     loss=TokenLoss(lambda *x: token_pg_loss(*x, args)[0], *per_tok) if fused else None)
         v = critic(mb.input_ids, mb.position_ids, **attn_kwargs(mb))
-        logp, entropy, v = (mb.unpack(x, args.max_new_tokens) for x in (logp, entropy, v))  # (b, T)
+        logp, entropy, v = (mb.unpack(x, args.max_new_tokens) for x in (*out[-2:], v))  # (b, T); fused: detached
         i = mb.index  # (b,) this micro-batch's rows (none in a padding micro-batch: a zero loss, same FSDP calls)
         m, old = mask[i], old_logp[i]  # (b, T)
-        loss_tok, clipped = clipped_pg_loss(logp, old, adv[i], args.clip_eps_low, args.clip_eps_high,
-                                            args.dual_clip_c)  # per-token advantages (b, T)
         has_engine_logp = engine_mask[i]  # not engine_logp != 0: log 1 = 0 is a log-prob
-        if args.tis_cap > 0:  # truncated IS: correct for the engine sampling from a slightly other pi
-            w = torch.exp(old - engine_logp[i]).clamp(max=args.tis_cap).where(has_engine_logp, 1.0)
-            loss_tok = loss_tok * w
+        loss_tok, clipped, w = token_pg_loss(logp, entropy, adv[i], old, engine_logp[i], has_engine_logp, args)
+        if w is not None:
             stats["tis_w"] += (w * m).sum().detach()
-        if args.entropy_coef:
-            loss_tok = loss_tok - args.entropy_coef * entropy
         vf_tok, vf_clipped = clipped_value_loss(v, old_values[i], returns[i], args.vf_clip)
         pg_loss = aggregate_loss(loss_tok, m, args.loss_agg, normaliser)  # this rank's shares: shard() sums
         vf_loss = aggregate_loss(vf_tok, m, args.loss_agg, normaliser)   # the gradients over ranks
+        pg_loss = out[0] if fused else pg_loss  # fused: the kernel's loss (the statistics come from logp above)
         # two separate models: one backward fills both; during critic warm-up the policy gets none
         (args.vf_coef * vf_loss + (pg_loss if train_policy else 0.0 * pg_loss)).backward()
         mb_loss += (pg_loss + vf_loss).detach()

@@ -49,7 +49,7 @@ from common.determinism import set_deterministic
 from common.evaluate import evaluate, log_eval
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
-from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer
+from common.models import TokenLogProbs, TokenLoss, eos_token_ids, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import pack_masked, shard_microbatches
 from common.passes import microbatch_rows
@@ -136,6 +136,9 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """where to train"""
     logprob_impl: Literal["auto", "fused", "torch"] = "auto"
     """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
+    fused_loss: bool = True
+    """the NLL's gradient inside the LM head's forward (kernels.token_loss: 3 GEMMs, not 4) when the fused kernel runs
+    (--logprob-impl); off: the log-probs, then the loss (docs/kernels.md)"""
     attn_impl: str = "varlen"
     """trainer attention: varlen (packed rows, common/attention.py), or sdpa / eager"""
     token_accuracy: bool = True
@@ -166,15 +169,18 @@ def lr_lambda(step: int, warmup_steps: int, num_steps: int, schedule: str) -> fl
 STATS = ("tokens", "nll", "hits", "entropy")  # sums over the assistant tokens
 
 
-def token_stats(policy, examples, ids: list[int], accuracy: bool, device):
-    """log pi of every assistant token of conversations `ids`, packed in one row (N,), and their summed STATS."""
+def token_stats(policy, examples, ids: list[int], accuracy: bool, device, normaliser: float | None = None):
+    """log pi of every assistant token of conversations `ids`, packed in one row (N,), and their summed STATS. With a
+    normaliser (--fused-loss): nll_share instead of log pi, its gradient computed in the LM head's forward."""
     mb = pack_masked([e.ids for e in examples], [e.mask for e in examples], ids).to(device)
-    logp, entropy, *hit = policy(mb.input_ids, mb.position_ids, mb.targets, scored=mb.pos, argmax=accuracy,
-                                 **attn_kwargs(mb))
+    loss = None if normaliser is None else TokenLoss(lambda logp, entropy: -logp, 1 / max(normaliser, 1.0))
+    out = policy(mb.input_ids, mb.position_ids, mb.targets, scored=mb.pos, argmax=accuracy, loss=loss,
+                 **attn_kwargs(mb))
+    logp, entropy, *hit = out if loss is None else out[1:]  # fused: out[0] is the loss, logp detached
     logp = logp[0, mb.pos]  # (N,)
     hits = hit[0][0, mb.pos].sum() if accuracy else torch.zeros((), device=device)
-    return logp, torch.stack([torch.tensor(float(len(mb.pos)), device=device), -logp.detach().sum(), hits,
-                              entropy[0, mb.pos].detach().sum()])
+    return logp if loss is None else out[0], torch.stack([torch.tensor(float(len(mb.pos)), device=device),
+                                                          -logp.detach().sum(), hits, entropy[0, mb.pos].detach().sum()])
 
 
 def learn_step(policy, plan, examples, batch: list[int], args: Args, d) -> torch.Tensor:
@@ -183,9 +189,10 @@ def learn_step(policy, plan, examples, batch: list[int], args: Args, d) -> torch
     normaliser = float(sum(examples[i].num_trained for i in batch))  # the WHOLE step's assistant tokens
     stats = torch.zeros(len(STATS), device=d.device)
     lengths = [e.num_tokens for e in examples]
+    fused = TokenLoss.runs_fused(args.fused_loss, args.logprob_impl, d.device)  # the gradient in the head's forward
     for ids in microbatch_rows([(policy, plan)], lengths, batch, d.world_size, d.rank, args.max_tokens_per_microbatch):
-        logp, mb_stats = token_stats(policy, examples, ids, args.token_accuracy, d.device)
-        nll_share(logp, normaliser).backward()  # a padding micro-batch: zero loss, same FSDP calls
+        out, mb_stats = token_stats(policy, examples, ids, args.token_accuracy, d.device, normaliser if fused else None)
+        (out if fused else nll_share(out, normaliser)).backward()  # a padding micro-batch: zero loss, same FSDP calls
         stats += mb_stats  # shard() sums the gradients over ranks: the shares add up to the step's mean
     return stats
 

@@ -18,6 +18,8 @@ Sub-runs, each logged to <out>/<name>.log; a failure is reported and the next on
     python bench/w05.py --tokenizer-tar ... --nproc 1,2 --attn-impl sdpa,varlen --trl
     python bench/w05.py --tokenizer-tar ... --nproc 1,2 --rounds 2 --only grpo   # scaling, runs interleaved
     python bench/w05.py --tokenizer-tar ... --only standalone        # one sub-run (the 10-minute call limit)
+    python bench/w05.py --tokenizer-tar ... --only grpo --fused-loss on,off --rounds 2  # update phase with/without
+                                                                     # the fused loss (kernels.token_loss), interleaved
 Writes <out>/summary.json; out is $OUT when set, else --out.
 """
 import argparse
@@ -200,8 +202,10 @@ def grpo_summary(metrics: Path) -> dict:
 
 
 def default_attn() -> str:
-    """varlen once grpo.py registers it (docs/performance.md), sdpa before."""
-    return "varlen" if "register_varlen_attention" in (ROOT / "grpo.py").read_text() else "sdpa"
+    """varlen once grpo.py registers it (docs/performance.md; since issue 18 through common/lifecycle.py), sdpa
+    before."""
+    files = [ROOT / "grpo.py", ROOT / "common" / "lifecycle.py"]
+    return "varlen" if any(f.exists() and "register_varlen_attention" in f.read_text() for f in files) else "sdpa"
 
 
 def main():
@@ -219,6 +223,9 @@ def main():
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=16384)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU")
     ap.add_argument("--grpo-extra", default="", help="more grpo.py flags, one string")
+    ap.add_argument("--fused-loss", default=None, help="grpo --fused-loss (on) / --no-fused-loss (off); a list runs "
+                    "each, in this order within every round and GPU count: on,off compares the update phase with "
+                    "and without the loss's gradient in the LM head's forward (default: neither flag, grpo.py's own)")
     ap.add_argument("--only", default="grpo,standalone", help="sub-runs: grpo, standalone, trl (comma list)")
     ap.add_argument("--trl", action="store_true", help="also run bench/trl_w05.py")
     ap.add_argument("--trl-micro-batch", type=int, default=None, help="TRL per-device batch (default 32; 7b: 4)")
@@ -247,6 +254,9 @@ def main():
     todo = set(a.only.split(",")) | ({"trl"} if a.trl else set())
     nprocs = [int(n) for n in a.nproc.split(",")]
     attns = (a.attn_impl or default_attn()).split(",")
+    fused = a.fused_loss.split(",") if a.fused_loss else [None]
+    if not set(fused) <= {"on", "off"}:
+        ap.error(f"--fused-loss {a.fused_loss}: give on, off or both (on,off)")
     py = sys.executable
     results = {"shape": a.shape, "argv": sys.argv, "runs": []}
 
@@ -257,8 +267,9 @@ def main():
 
     if "grpo" in todo:
         for n, k in [(n, k) for k in range(a.rounds) for n in nprocs]:
-            for attn in attns:
-                name = f"grpo-{attn}-{n}gpu" + (f"-r{k}" if a.rounds > 1 else "")
+            for attn, fl in [(attn, fl) for attn in attns for fl in fused]:
+                name = f"grpo-{attn}-{n}gpu" + {None: "", "on": "-fused", "off": "-unfused"}[fl] \
+                    + (f"-r{k}" if a.rounds > 1 else "")
                 cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "grpo.py",
                        "--model", str(model), "--dataset", str(prompts), "--no-chat-template", "--instruction", "",
                        "--max-prompt-tokens", str(W05["prompt_tokens"]), "--max-new-tokens", str(W05["new_tokens"]),
@@ -268,9 +279,11 @@ def main():
                        "--rollout", "vllm", "--reward-fn", "bench.w05:reward", "--attn-impl", attn,
                        "--max-tokens-per-microbatch", str(a.max_tokens_per_microbatch),
                        "--vllm.max-num-seqs", "512", "--vllm.gpu-memory-utilization", str(a.gpu_memory_utilization),
-                       "--out-dir", str(out), "--exp-name", name] + a.grpo_extra.split()
+                       "--out-dir", str(out), "--exp-name", name] + a.grpo_extra.split() \
+                    + {None: [], "on": ["--fused-loss"], "off": ["--no-fused-loss"]}[fl]
                 r = run_sub(name, cmd, out, a.timeout)
-                r |= {"kind": "grpo", "nproc": n, "attn": attn, "round": k, **grpo_summary(out / name / "metrics.jsonl")}
+                r |= {"kind": "grpo", "nproc": n, "attn": attn, "round": k, "fused_loss": fl,
+                      **grpo_summary(out / name / "metrics.jsonl")}
                 results["runs"].append(r)
 
     if "standalone" in todo:
@@ -320,6 +333,24 @@ def scaling_lines(runs: list[dict]) -> list[str]:
             lines.append(f"scaling {attn} 1 -> {n} GPUs: {one:.2f} / {many:.2f} s = {one / many:.2f}x "
                          f"(pooled warm steps); per round " + ", ".join(f"{x:.2f}x" for x in per_round)
                          + f"; best run each side {best_one:.2f} / {best_many:.2f} s = {best_one / best_many:.2f}x")
+    return lines
+
+
+def fused_loss_lines(runs: list[dict]) -> list[str]:
+    """Per attention kernel and GPU count run both ways (--fused-loss on,off): the update phase (the policy's
+    forwards, backwards and optimiser step) and the whole step, the median over runs of each run's warm median,
+    fused against unfused."""
+    lines = []
+    for attn, n in sorted({(r["attn"], r["nproc"]) for r in runs if r.get("fused_loss")}):
+        by = {fl: [r for r in runs if (r["attn"], r["nproc"], r.get("fused_loss")) == (attn, n, fl)
+                   and r.get("update_s") is not None] for fl in ("on", "off")}
+        if not (by["on"] and by["off"]):
+            continue
+        med = {k: {fl: statistics.median(r[k] for r in by[fl]) for fl in by} for k in ("update_s", "step_s")}
+        lines.append(f"fused loss {attn} {n} GPU(s), {len(by['on'])} + {len(by['off'])} runs: update "
+                     f"{med['update_s']['on']:.3f} s fused vs {med['update_s']['off']:.3f} s unfused = "
+                     f"{med['update_s']['off'] / med['update_s']['on']:.2f}x; step {med['step_s']['on']:.2f} vs "
+                     f"{med['step_s']['off']:.2f} s")
     return lines
 
 
@@ -374,7 +405,7 @@ def report(results: dict, out: Path) -> None:
             if r.get("nproc") == t.get("nproc") and r.get("step_s") and t.get("median_warm_s"):
                 print(f"  {r['name']} step {r['step_s']:.2f} s vs TRL {t['median_warm_s']:.2f} s: "
                       f"{t['median_warm_s'] / r['step_s']:.2f}x")
-    for line in scaling_lines(runs):
+    for line in scaling_lines(runs) + fused_loss_lines(runs):
         print(line)
     failed = [r["name"] for r in results["runs"] if not r["ok"]]
     print(f"failed sub-runs: {failed or 'none'}")

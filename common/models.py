@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from kernels.logprob import token_logprobs
+from kernels.logprob import HAS_TRITON, token_logprobs, token_loss
 
 CACHE = Path(os.environ.get("RL_CACHE", Path.home() / ".cache" / "rl-post-train"))
 
@@ -143,34 +143,71 @@ def eos_token_ids(tokenizer, model_path: str) -> list[int]:
 
 class TokenLogProbs(nn.Module):
     """An HF causal LM whose forward returns log p(target) and entropy per token, from the final hidden states
-    through kernels.token_logprobs, so the (tokens x vocab) logits are never materialised.
+    through kernels.token_logprobs (given a TokenLoss, also the loss, through kernels.token_loss), so the
+    (tokens x vocab) logits are never materialised.
 
     FSDP2 shards it as the root, so the LM head weight is all-gathered inside this forward.
     """
 
-    def __init__(self, lm: nn.Module, impl: str = "auto"):
+    def __init__(self, lm: nn.Module, impl: str = "auto", workspace_mb: int = 320):
         super().__init__()
-        self.lm, self.impl = lm, impl
+        self.lm, self.impl, self.workspace_mb = lm, impl, workspace_mb
 
     def forward(self, input_ids, position_ids, targets, temperature: float = 1.0, scored=None, argmax: bool = False,
-                **attn_kwargs):
+                loss: "TokenLoss | None" = None, **attn_kwargs):
         # input_ids, position_ids, targets: (1, T) packed; attention_mask=None + position_ids marks the packing.
         # scored: (N,) ascending positions whose target is not -100 (MicroBatch.pos), if the caller has them: finding
         # them here (nonzero) makes the CPU wait for the GPU.
         # argmax: also return, per position, 1.0 where the target is the top-1 token (sft.py's token accuracy).
+        # loss: a TokenLoss over the scored tokens; returns (loss, logp, entropy), the loss's gradient computed in this
+        # forward by kernels.token_loss (logp and entropy detached, for statistics).
         base = getattr(self.lm, self.lm.base_model_prefix)
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                       **attn_kwargs).last_hidden_state  # (1, T, H)
         weight = self.lm.get_output_embeddings().weight  # (V, H)
         flat = targets.flatten()  # (T,)
         sel = (flat != -100).nonzero().squeeze(1) if scored is None else scored  # only those reach the LM head
-        logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
         scatter = lambda x: x.new_zeros(targets.shape).index_put((torch.zeros_like(sel), sel), x)  # (1, T)
+        if loss is not None:
+            value, logp, entropy = token_loss(hidden.flatten(0, 1)[sel], weight, flat[sel], loss.fn, loss.token_args,
+                                              temperature, self.impl, self.workspace_mb)
+        else:
+            logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
+        first = () if loss is None else (value,)
         if not argmax:
-            return scatter(logp), scatter(entropy)
+            return *first, scatter(logp), scatter(entropy)
         with torch.no_grad():  # the kernel never forms the logits: one more pass through the head, 1024 rows at a time
             h = hidden.detach().flatten(0, 1)[sel]  # (N, H)
             top = torch.cat([(c @ weight.detach().T.to(c.dtype)).argmax(-1) for c in h.split(1024)]) if len(sel) \
                 else flat[sel]
             hit = (top == flat[sel]).float()  # (N,)
-        return scatter(logp), scatter(entropy), scatter(hit)
+        return *first, scatter(logp), scatter(entropy), scatter(hit)
+
+
+class TokenLoss:
+    """A loss elementwise in (log p, entropy) for TokenLogProbs to hand to kernels.token_loss, which computes its
+    gradient inside the LM head's forward (3 GEMMs instead of token_logprobs's 4; docs/kernels.md): the sum over the
+    scored tokens of weight * fn(logp, entropy, *token_args). weight and each of token_args: one value per scored
+    token (N,) in the packed order (MicroBatch.take), or a number, or None. fn sees (n, 1) columns, so a per-token
+    loss written for (b, T) tensors applies as it is (a 1-D argument would read as one value per sequence).
+    A plain class, not a tuple or a dataclass: FSDP2 casts the floating tensors it finds in a forward's arguments
+    to the compute dtype, which would round the per-token constants (old log-probs, advantages) to bf16."""
+
+    def __init__(self, fn, weight, *token_args):
+        col = lambda x: x[:, None] if isinstance(x, torch.Tensor) else x
+        self.fn = lambda logp, entropy, w, *args: fn(*map(col, (logp, entropy, *args)))[:, 0] * w
+        self.token_args = (weight, *token_args)
+
+    @staticmethod
+    def runs_fused(wanted: bool, logprob_impl: str, device: torch.device) -> bool:
+        """Whether a script's loss goes through TokenLoss (--fused-loss): asked for, and the LM head runs the fused
+        kernel (--logprob-impl fused, or auto on a GPU with Triton); with the torch reference it would save nothing."""
+        return wanted and (logprob_impl == "fused" or (logprob_impl == "auto" and device.type == "cuda" and HAS_TRITON))
+
+
+def linear_weights(aggregate, mask: torch.Tensor) -> torch.Tensor:
+    """The per-token weights w (same shape as mask) of a loss aggregation that is linear in the per-token losses,
+    aggregate(loss_tok) = sum(w * loss_tok): its gradient, so the script's own aggregate_loss stays the definition."""
+    x = torch.zeros_like(mask, dtype=mask.dtype if mask.is_floating_point() else torch.float32, requires_grad=True)
+    with torch.enable_grad():
+        return torch.autograd.grad(aggregate(x), x)[0]

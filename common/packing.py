@@ -41,6 +41,14 @@ class MicroBatch:
         out = values.new_zeros(len(self.rows), width)
         return out.index_put((self.row, self.col), values[0, self.pos])
 
+    def take(self, values: torch.Tensor | None) -> torch.Tensor | None:
+        """The other way: per-sequence (B,) or per-token (B, width) values of the caller's whole batch (rows indexed
+        as in `rows`) -> (N_resp,), one per response token in the packed order of `pos`. None stays None."""
+        if values is None:
+            return None
+        r = self.index[self.row]  # (N_resp,) the caller's row of each response token
+        return values[r, self.col] if values.dim() == 2 else values[r]
+
 
 def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:
     """Split item indices into k groups of near-equal total length (greedy longest-first), each group sorted.

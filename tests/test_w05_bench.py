@@ -1,7 +1,7 @@
 """bench/w05.py's summaries (CPU): which steps count as warm, and the 1 -> N GPU scaling over interleaved rounds."""
 import json
 
-from bench.w05 import grpo_summary, pool_lines, scaling_lines
+from bench.w05 import fused_loss_lines, grpo_summary, pool_lines, scaling_lines
 
 
 def test_grpo_summary_drops_step_zero_and_the_profiled_step(tmp_path):
@@ -37,6 +37,18 @@ def test_pool_keeps_each_files_rounds_apart_and_takes_phase_medians():
                        "1.50x, 1.50x; best run each side 9.00 / 5.00 s = 1.80x")
     assert one == "1 GPU(s), 3 runs, 3 warm steps: step_s 10.00 generate_s 6.00 update_s 1.00"
     assert two.startswith("2 GPU(s), 3 runs, 3 warm steps: step_s 6.00 generate_s 3.00")
+
+
+def test_fused_loss_lines_compare_the_update_phase():
+    run = lambda fl, upd, step, n=1: {"kind": "grpo", "attn": "varlen", "nproc": n, "fused_loss": fl, "update_s": upd,
+                                      "step_s": step}
+    runs = [run("on", 1.0, 5.0), run("off", 1.5, 5.5), run("on", 1.2, 5.2), run("off", 1.7, 5.6),
+            run("on", 0.9, 4.0, n=2),  # no unfused 2-GPU run: no line
+            {"kind": "grpo", "attn": "varlen", "nproc": 1, "fused_loss": None, "update_s": 9.0, "step_s": 9.0}]
+    (line,) = fused_loss_lines(runs)
+    # medians: fused update 1.1, unfused 1.6 -> 1.45x; steps 5.1 vs 5.55
+    assert line == ("fused loss varlen 1 GPU(s), 2 + 2 runs: update 1.100 s fused vs 1.600 s unfused = 1.45x; "
+                    "step 5.10 vs 5.55 s")
 
 
 def test_pair_scan_names_the_cpu_that_slows_each_one():

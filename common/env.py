@@ -99,6 +99,9 @@ def make_env(args, tok) -> EnvRunner | None:
     if args.response_width < args.max_new_tokens:
         raise ValueError(f"--max-episode-tokens {args.max_episode_tokens} is below --max-new-tokens "
                          f"{args.max_new_tokens}: one turn alone would not fit; raise it (0: max_turns x max_new_tokens)")
+    if getattr(args, "overlong", "none") == "soft":  # grpo.py's DAPO penalty counts from --max-new-tokens
+        raise ValueError("--overlong soft with --env: an episode is longer than one turn's --max-new-tokens; use "
+                         "--overlong penalty or mask (truncated episodes) or none")
     if args.rollout != "hf" and args.vllm.tensor_parallel_size > 1:  # every TP rank must call generate alike
         raise ValueError("--env with --vllm.tensor-parallel-size > 1: the ranks of one engine would run different "
                          "numbers of turns; use tensor-parallel size 1 (data parallel) for multi-turn rollouts")

@@ -253,3 +253,21 @@ def test_multi_turn_batches_merge():
     merged = merge_rollouts([part(2), part(3)])
     assert merged.loss_mask.shape == (5, 4) and merged.turn_rewards.shape == (5, 2) and merged.n_env_errors == 2
     assert math.isclose(float(rollout_metrics(merged)["rollout/turns_mean"]), 1.0)
+
+
+def test_make_env_checks_the_flags(tokenizer):
+    from dataclasses import replace
+
+    from common.args import RLArgs
+    from common.env import make_env
+    base = RLArgs(env="calculator", max_turns=3, max_new_tokens=16)
+    assert make_env(RLArgs(), tokenizer) is None  # no --env: single-turn
+    runner = make_env(base, tokenizer)
+    assert isinstance(runner.env, Calculator) and runner.max_episode_tokens == 48 == base.response_width
+    assert base.rollout_max_len == base.max_prompt_tokens + 16 + 48 and RLArgs().response_width == RLArgs().max_new_tokens
+    assert make_env(replace(base, max_episode_tokens=40), tokenizer).max_episode_tokens == 40
+    for change, flag in (({"max_turns": 0}, "--max-turns"), ({"max_episode_tokens": 8}, "--max-episode-tokens")):
+        with pytest.raises(ValueError, match=flag):
+            make_env(replace(base, **change), tokenizer)
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        make_env(replace(base, rollout="vllm", vllm=replace(base.vllm, tensor_parallel_size=2)), tokenizer)

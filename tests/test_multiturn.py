@@ -2,6 +2,7 @@
 token_logprobs): the model's tokens of a packed multi-turn sequence get the log-probs a turn-by-turn forward gives,
 and those the HF engine sampled them with; the scripts end to end with --env."""
 import json
+import math
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from common.env import EnvRunner, Observation, run_episodes
 from common.models import TokenLogProbs, load_causal_lm
 from common.passes import sequence_logprobs
 from common.rollout import HFEngine
+from conftest import torchrun
 
 
 class Chatty:
@@ -91,3 +93,74 @@ def test_episode_is_prompt_turns_and_observations(tokenizer, episodes):
             s, e = spans[0][1], spans[1][0]
             assert ro.response_ids[i][s:e] == tokenizer(" <result>42</result> ", add_special_tokens=False)["input_ids"]
     assert sum(ro.episodes.tool_calls) >= 2
+
+
+# ---- the scripts, end to end -------------------------------------------------------------------------------------
+def read_rows(run_dir):
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [r for r in rows if "reward/mean" in r], [r for r in rows if "eval/accuracy" in r]
+
+
+MULTI_TURN_KEYS = ("rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_errors", "rollout/env_errors",
+                   "rollout/episode_len_mean", "rollout/model_tokens_mean", "reward/turn1", "reward/turn3")
+
+
+@pytest.mark.slow
+def test_grpo_calculator_end_to_end(tiny_model_dir, tmp_path):
+    """grpo.py --env calculator on the HF engine: the multi-turn metrics are logged, training and evaluation with
+    the environment run (a random tiny model never calls the tool: one turn each)."""
+    torchrun("grpo.py", "--model", str(tiny_model_dir), "--num-steps", "2", "--prompts-per-step", "2",
+             "--group-size", "2", "--max-new-tokens", "8", "--env", "calculator", "--max-turns", "3",
+             "--eval-every", "2", "--eval-size", "2", "--out-dir", str(tmp_path), "--exp-name", "calc", nproc=1)
+    train, evals = read_rows(tmp_path / "calc")
+    assert [r["step"] for r in train] == [0, 1] and [r["step"] for r in evals] == [0, 2]
+    for r in train:
+        for k in MULTI_TURN_KEYS:
+            assert k in r, k
+        assert 1 <= r["rollout/turns_mean"] <= 3 and math.isfinite(r["train/loss"])
+    assert all("eval/tool_calls_mean" in r and "eval/turns_mean" in r for r in evals)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,nproc", [("grpo.py", 2), ("ppo.py", 1)])
+def test_multi_turn_training_end_to_end(tiny_model_dir, tmp_path, script, nproc):
+    """Real multi-turn episodes (tests.toy_env:EveryE answers every turn) through the whole script: environment
+    tokens are in the sequences but not in the loss, and the engine's log-probs of the model's tokens match the
+    trainer's (token-in/token-out end to end; 2 ranks for GRPO: the multi-turn fields cross the gather)."""
+    flags = ["--group-size", "2"] if script == "grpo.py" else ["--num-minibatches", "1", "--num-epochs", "1"]
+    torchrun(script, "--model", str(tiny_model_dir), "--num-steps", "2", "--prompts-per-step", "2", *flags,
+             "--max-new-tokens", "8", "--env", "tests.toy_env:EveryE", "--max-turns", "3",
+             "--reward-fn", "tests.toy_reward:letters", "--kl-coef", "0.05", "--engine-logprobs-every", "1",
+             "--eval-every", "0", "--out-dir", str(tmp_path), "--exp-name", "mt", nproc=nproc)
+    train, _ = read_rows(tmp_path / "mt")
+    assert [r["step"] for r in train] == [0, 1]
+    for r in train:
+        assert r["rollout/turns_mean"] > 1 and r["rollout/tool_calls_mean"] > 0
+        assert r["rollout/model_tokens_mean"] < r["rollout/episode_len_mean"] <= 24  # 3 turns x 8 tokens at most
+        assert r["rollout/logprob_gap_max"] < 1e-3  # HF engine and trainer share weights: the same log-probs
+        for k in ("train/loss", "train/kl", "train/entropy", "train/grad_norm"):
+            assert math.isfinite(r[k]), k
+
+
+# ---- PPO: GAE over the model's tokens only ----------------------------------------------------------------------
+def test_gae_skips_environment_tokens():
+    """An episode with environment tokens between its turns gets, on its model tokens, the advantages and returns
+    of the same episode with the environment tokens taken out (ppo.py's gae and token_rewards on the real mask)."""
+    import ppo
+    torch.manual_seed(0)
+    mask = torch.tensor([[1.0, 1, 0, 0, 0, 1, 1, 0, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]])  # (2, 11)
+    model = mask.bool()
+    values = torch.randn(2, 11) * mask
+    logp, ref_logp = torch.randn(2, 11), torch.randn(2, 11)
+    task, last_v = torch.tensor([1.0, -0.5]), torch.tensor([0.0, 0.3])
+    r = ppo.token_rewards(task, logp, ref_logp, mask, 0.1, torch.tensor([True, True]))
+    assert r[0, 8] == pytest.approx(task[0] - 0.1 * (logp[0, 8] - ref_logp[0, 8]))  # R at the last MODEL token
+    assert (r[~model] == 0).all()
+    adv, ret = ppo.gae(r, values, mask, last_v, 0.9, 0.8)
+    assert (adv[~model] == 0).all() and (ret[~model] == 0).all()
+    for i in range(2):
+        m = model[i]
+        n = int(m.sum())
+        c_adv, c_ret = ppo.gae(r[i, m][None], values[i, m][None], torch.ones(1, n), last_v[i:i + 1], 0.9, 0.8)
+        torch.testing.assert_close(adv[i, m], c_adv[0])
+        torch.testing.assert_close(ret[i, m], c_ret[0])

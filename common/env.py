@@ -98,7 +98,8 @@ def make_env(args, tok) -> EnvRunner | None:
         raise ValueError(f"--max-turns {args.max_turns}: an episode needs at least one model turn")
     if args.response_width < args.max_new_tokens:
         raise ValueError(f"--max-episode-tokens {args.max_episode_tokens} is below --max-new-tokens "
-                         f"{args.max_new_tokens}: one turn alone would not fit; raise it (0: max_turns x max_new_tokens)")
+                         f"{args.max_new_tokens}: one turn alone would not fit; raise it (0: max_turns x "
+                         f"max_new_tokens)")
     if getattr(args, "overlong", "none") == "soft":  # grpo.py's DAPO penalty counts from --max-new-tokens
         raise ValueError("--overlong soft with --env: an episode is longer than one turn's --max-new-tokens; use "
                          "--overlong penalty or mask (truncated episodes) or none")

@@ -230,7 +230,8 @@ def multi_turn_metrics(batch: RolloutBatch) -> dict:
     """rollout/* of multi-turn episodes (docs/multiturn.md); {} for single-turn rollouts."""
     if batch.turns is None:
         return {}
-    return {"rollout/turns_mean": batch.turns.float().mean(), "rollout/tool_calls_mean": batch.tool_calls.float().mean(),
+    return {"rollout/turns_mean": batch.turns.float().mean(),
+            "rollout/tool_calls_mean": batch.tool_calls.float().mean(),
             "rollout/tool_errors": batch.tool_errors.sum(), "rollout/env_errors": batch.n_env_errors,
             "rollout/episode_len_mean": batch.response_len.float().mean(),
             "rollout/model_tokens_mean": batch.loss_mask.sum(1).mean()} | {

@@ -264,7 +264,8 @@ def test_make_env_checks_the_flags(tokenizer):
     assert make_env(RLArgs(), tokenizer) is None  # no --env: single-turn
     runner = make_env(base, tokenizer)
     assert isinstance(runner.env, Calculator) and runner.max_episode_tokens == 48 == base.response_width
-    assert base.rollout_max_len == base.max_prompt_tokens + 16 + 48 and RLArgs().response_width == RLArgs().max_new_tokens
+    assert base.rollout_max_len == base.max_prompt_tokens + 16 + 48
+    assert RLArgs().response_width == RLArgs().max_new_tokens  # single-turn: unchanged
     assert make_env(replace(base, max_episode_tokens=40), tokenizer).max_episode_tokens == 40
     for change, flag in (({"max_turns": 0}, "--max-turns"), ({"max_episode_tokens": 8}, "--max-episode-tokens")):
         with pytest.raises(ValueError, match=flag):

@@ -164,3 +164,22 @@ def test_gae_skips_environment_tokens():
         c_adv, c_ret = ppo.gae(r[i, m][None], values[i, m][None], torch.ones(1, n), last_v[i:i + 1], 0.9, 0.8)
         torch.testing.assert_close(adv[i, m], c_adv[0])
         torch.testing.assert_close(ret[i, m], c_ret[0])
+
+
+def test_calculator_recipe_flags_parse(monkeypatch, tokenizer):
+    """runs/grpo_gsm8k_qwen05b_calculator.sh (not run on CPU: a GPU recipe) passes flags grpo.py accepts, and its
+    episodes fit the micro-batch budget and the environment's checks."""
+    import shlex
+    import sys
+
+    import grpo
+    from common.args import cli
+    from common.env import make_env
+    from conftest import ROOT
+    text = (ROOT / "runs" / "grpo_gsm8k_qwen05b_calculator.sh").read_text()
+    argv = shlex.split(text.split("grpo.py \\\n", 1)[1].split('"$@"')[0].replace("\\\n", " "))
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
+    args = cli(grpo.Args)
+    assert (args.env, args.max_turns, args.response_width, args.rollout) == ("calculator", 4, 1024, "vllm")
+    assert args.max_tokens_per_microbatch >= args.max_prompt_tokens + args.response_width
+    assert make_env(args, tokenizer).max_episode_tokens == 1024

@@ -116,11 +116,12 @@ def chat_message_ids(tok, text: str, role: str, after_eos: bool) -> list[int]:
     taken as the suffix after a conversation that ends in an assistant message."""
     if getattr(tok, "chat_template", None) is None:
         return tok(f"\n{role}: {text}\n", add_special_tokens=False)["input_ids"]
-    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    marker = "ASSISTANT-TURN-7f3c"  # text no template writes itself, so what follows it is the template's
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
     before = tok.apply_chat_template(base, tokenize=False)
     full = tok.apply_chat_template(base + [{"role": role, "content": text}], tokenize=False,
                                    add_generation_prompt=True)
-    tail = before[before.rindex("a") + 1:]  # what closes an assistant message ("<|im_end|>\n" in ChatML)
+    tail = before[before.rindex(marker) + len(marker):]  # what closes an assistant message ("<|im_end|>\n": ChatML)
     if after_eos and tok.eos_token and tail.startswith(tok.eos_token):
         tail = tail[len(tok.eos_token):]  # the model's own end-of-turn token is already in the context
     return tok(tail + full[len(before):], add_special_tokens=False)["input_ids"]

@@ -330,7 +330,7 @@ def learn_minibatch(policy, plan, batch: RolloutBatch, rows: list[int], mask, ad
         per_tok = (mb.take(x) for x in (weight, adv, old_logp, ref_logp, engine_logp, engine_mask))  # (n,) each
         out = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature, scored=mb.pos, **attn_kwargs(mb),
                      loss=TokenLoss(lambda *x: token_policy_loss(*x, args, kl_coef)[0], *per_tok) if fused else None)
-        logp, entropy = (mb.unpack(x, args.max_new_tokens) for x in out[-2:])  # (b, T); fused: detached
+        logp, entropy = (mb.unpack(x, args.response_width) for x in out[-2:])  # (b, T); fused: detached
         i = mb.index  # (b,) this micro-batch's rows (none in a padding micro-batch: a zero loss, same FSDP calls)
         loss, mb_stats = policy_loss(logp, entropy, mask[i], adv[i], logp.detach() if old_logp is None else old_logp[i],
                                      ref_logp[i] if ref_logp is not None else None, engine_logp[i], args, normaliser,
@@ -372,7 +372,7 @@ def main(args: Args) -> None:
     train, dropped, evals = load_prompt_splits(args, tok, d.rank, d.world_size)
     sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
     reward_fn = load_reward_fn(args.reward_fn)
-    engine, sampling = rollout_engine(args, rollout_kind, model_path, args.seed, d.device, tok, stop_ids)
+    engine, sampling, env = rollout_engine(args, rollout_kind, model_path, args.seed, d.device, tok, stop_ids)
 
     state = {"policy": (policy, optimizer), "scheduler": scheduler}
     # resume: model, optimiser, LR schedule, kl_coef (beta, the adaptive controller's state), RNG, data position
@@ -387,10 +387,10 @@ def main(args: Args) -> None:
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
         show_phase(progress, at, f"evaluating on {args.eval_size} held-out prompts (greedy)")
         log_eval(tracker, at, d.is_main, evaluate(engine, evals, sampling, reward_fn, tok, args.reward_timeout,
-                                                  args.seed + 7919 * at, args.eval_n, args.temperature))
+                                                  args.seed + 7919 * at, args.eval_n, args.temperature, env))
 
     # ---- the loop -----------------------------------------------------------------------------------------
-    G, width = args.group_size, args.max_new_tokens
+    G, width = args.group_size, args.response_width  # T: a completion, or an episode (--env)
     progress, stopping = Progress(d.is_main, args.num_steps, start), False  # stopping: by a signal
     sync_engine(engine, policy, resume_from is not None, plan.keep_gathered, {})  # wake it; refit a resumed policy
     if args.eval_every and start % args.eval_every == 0 and start < args.num_steps:
@@ -409,7 +409,7 @@ def main(args: Args) -> None:
             show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
             rollout = generate(engine, examples, G, args.temperature, args.seed * 100003 + step * d.world_size + d.rank
                                + 1000003 * len(parts), sampling, perf, logprobs=args.tis_cap > 0 or
-                               (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
+                               (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0), env=env)
             prof.stop(d.is_main)  # the generate phase alone: kernel time vs wall time, Python functions (no trace)
             with timed(perf, "sleep"):
                 engine.sleep()  # hand the memory to training

@@ -140,23 +140,27 @@ def token_rewards(task_rewards, logp, ref_logp, mask, kl_coef: float, task_at_en
     """Per-token reward (Ziegler et al. 2019): r_t = -kl_coef * (logp_t - ref_logp_t) (k1), plus the task reward at
     each sequence's last token where task_at_end. logp, ref_logp, mask: (B, T); task_rewards, task_at_end: (B,)."""
     r = -kl_coef * kl_penalty(logp, ref_logp, "k1") * mask if ref_logp is not None else torch.zeros_like(mask)
-    last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) responses are contiguous from token 0
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # (B,) the last model token (--env: not the env's, 0 in mask)
     r[torch.arange(len(r)), last] += task_rewards * task_at_end * mask.any(1)
     return r
 
 
 def gae(rewards, values, mask, last_values, gamma: float, lam: float):
-    """Generalised advantage estimation (Schulman et al. 2016) over response tokens. rewards, values, mask: (B, T)
-    with each sequence's tokens contiguous from 0; last_values: (B,) V(s_T) of the state after the last token
-    (0 for a terminal sequence). Returns (advantages, returns = advantages + values), 0 after each sequence."""
+    """Generalised advantage estimation (Schulman et al. 2016) over the model's response tokens. rewards, values,
+    mask: (B, T), each response from token 0 (with --env, environment tokens are 0s inside it); last_values: (B,)
+    V(s_T) of the state after the last token (0 for a terminal sequence). Returns (advantages, returns =
+    advantages + values), 0 outside mask."""
     adv = torch.zeros_like(rewards)
     next_value, next_adv = last_values, torch.zeros_like(last_values)  # (B,)
     for t in reversed(range(rewards.shape[1])):
         m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]  # TD error
-        next_adv = (delta + gamma * lam * next_adv) * m  # past a sequence's end: stays 0
-        next_value = torch.where(m > 0, values[:, t], next_value)  # ... and V(s_T) waits for the last real token
-        adv[:, t] = next_adv
+        # Outside the mask the advantage and the next value pass through unchanged: past a sequence's end they keep
+        # their start (0, V(s_T)); an environment token (--env) is not an action, so a turn's last token bootstraps
+        # from V at the next turn's first token (the state after the observation) and gamma counts model tokens.
+        next_adv = torch.where(m > 0, delta + gamma * lam * next_adv, next_adv)
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        adv[:, t] = next_adv * m
     return adv, (adv + values) * mask
 
 
@@ -331,7 +335,7 @@ def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int],
         out = policy(mb.input_ids, mb.position_ids, mb.targets, args.temperature, scored=mb.pos, **attn_kwargs(mb),
                      loss=TokenLoss(lambda *x: token_pg_loss(*x, args)[0], *per_tok) if fused else None)
         v = critic(mb.input_ids, mb.position_ids, **attn_kwargs(mb))
-        logp, entropy, v = (mb.unpack(x, args.max_new_tokens) for x in (*out[-2:], v))  # (b, T); fused: detached
+        logp, entropy, v = (mb.unpack(x, args.response_width) for x in (*out[-2:], v))  # (b, T); fused: detached
         i = mb.index  # (b,) this micro-batch's rows (none in a padding micro-batch: a zero loss, same FSDP calls)
         m, old = mask[i], old_logp[i]  # (b, T)
         has_engine_logp = engine_mask[i]  # not engine_logp != 0: log 1 = 0 is a log-prob
@@ -389,7 +393,7 @@ def main(args: Args) -> None:
     train, dropped, evals = load_prompt_splits(args, tok, d.rank, d.world_size)
     sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
     reward_fn = load_reward_fn(args.reward_fn)
-    engine, sampling = rollout_engine(args, rollout_kind, model_path, args.seed, d.device, tok, stop_ids)
+    engine, sampling, env = rollout_engine(args, rollout_kind, model_path, args.seed, d.device, tok, stop_ids)
 
     state = {"policy": (policy, optimizer), "critic": (critic, critic_optimizer), "scheduler": scheduler,
              "critic_scheduler": critic_scheduler}
@@ -408,10 +412,10 @@ def main(args: Args) -> None:
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
         show_phase(progress, at, f"evaluating on {args.eval_size} held-out prompts (greedy)")
         log_eval(tracker, at, d.is_main, evaluate(engine, evals, sampling, reward_fn, tok, args.reward_timeout,
-                                                  args.seed + 7919 * at, args.eval_n, args.temperature))
+                                                  args.seed + 7919 * at, args.eval_n, args.temperature, env))
 
     # ---- the loop -----------------------------------------------------------------------------------------
-    n, width = args.samples_per_prompt, args.max_new_tokens
+    n, width = args.samples_per_prompt, args.response_width  # T: a completion, or an episode (--env)
     progress, stopping = Progress(d.is_main, args.num_steps, start), False  # stopping: by a signal
     sync_engine(engine, policy, resume_from is not None, plan.keep_gathered, {})  # wake it; refit a resumed policy
     if args.eval_every and start % args.eval_every == 0 and start < args.num_steps:
@@ -423,7 +427,7 @@ def main(args: Args) -> None:
         show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {n} samples")
         rollout = generate(engine, examples, n, args.temperature, args.seed * 100003 + step * d.world_size + d.rank,
                            sampling, perf, logprobs=args.tis_cap > 0 or
-                           (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0))
+                           (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0), env=env)
         with timed(perf, "sleep"):
             engine.sleep()  # hand the memory to training
 

@@ -93,7 +93,16 @@ class RLArgs(RunArgs):
     format_coef: float = 0.0
     """weight of the '#### <number>' format reward added to --reward-fn"""
     reward_timeout: float = 10.0
-    """seconds one reward call may take before it scores 0 and is counted under reward/timeouts"""
+    """seconds one reward call (or environment reset/step) may take before it scores 0 and is counted under
+    reward/timeouts"""
+    env: str = ""
+    """multi-turn episodes with an environment: 'calculator' (a <calc> tool), 'try-again', or pkg.module:Name
+    (docs/multiturn.md); '': one prompt, one completion"""
+    max_turns: int = 4
+    """--env: model turns per episode (the environment's reply to the last one is not appended)"""
+    max_episode_tokens: int = 0
+    """--env: tokens per episode after the prompt, model and environment together (0: max_turns x max_new_tokens);
+    --max-new-tokens caps each model turn"""
     # ---- sampling ------------------------------------------------------------------------------------------
     temperature: float = 1.0
     """sampling temperature; the trainer's log-probs use the same temperature"""
@@ -158,6 +167,16 @@ class RLArgs(RunArgs):
     @property
     def forward_token_budget(self) -> int:
         return self.max_tokens_per_forward or 4 * self.max_tokens_per_microbatch
+
+    @property
+    def response_width(self) -> int:
+        """T of the (B, T) response tensors: a completion, or with --env a whole episode after the prompt."""
+        return (self.max_episode_tokens or self.max_turns * self.max_new_tokens) if self.env else self.max_new_tokens
+
+    @property
+    def rollout_max_len(self) -> int:
+        """The engine's longest sequence: a prompt, the episode so far, and one more turn."""
+        return self.max_prompt_tokens + self.max_new_tokens + (self.response_width if self.env else 0)
 
 
 def _sections(cls) -> tuple[dict[str, str], dict[str, str]]:

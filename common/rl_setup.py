@@ -10,6 +10,7 @@ import torch
 from common import checkpoint as C
 from common.attention import describe
 from common.data import build_prompts, load_rows
+from common.env import make_env
 from common.fsdp import place_frozen, shard
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.rollout import make_engine
@@ -54,13 +55,14 @@ def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
     if not args.temperature > 0:
         raise ValueError(f"--temperature {args.temperature}: training samples and scores log-probs at this temperature, "
                          "so it must be > 0 (evaluation is already greedy)")
-    if args.max_tokens_per_microbatch < args.max_prompt_tokens + args.max_new_tokens:
+    longest = args.max_prompt_tokens + args.response_width  # a prompt and a completion (--env: and an episode)
+    if args.max_tokens_per_microbatch < longest:
         raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
-                         f"sequence (--max-prompt-tokens + --max-new-tokens = "
-                         f"{args.max_prompt_tokens + args.max_new_tokens}); raise it")
-    if args.forward_token_budget < args.max_prompt_tokens + args.max_new_tokens:
+                         f"sequence (--max-prompt-tokens + {'--max-episode-tokens' if args.env else '--max-new-tokens'}"
+                         f" = {longest}); raise it")
+    if args.forward_token_budget < longest:
         raise ValueError(f"--max-tokens-per-forward {args.max_tokens_per_forward} is smaller than one sequence "
-                         f"({args.max_prompt_tokens + args.max_new_tokens} tokens); raise it, or 0 for the default")
+                         f"({longest} tokens); raise it, or 0 for the default")
 
 
 def geometry_rows(args, world_size: int, device) -> dict:
@@ -73,7 +75,7 @@ def geometry_rows(args, world_size: int, device) -> dict:
         "sequences / mini-batch / rank": seqs_per_rank_mb,
         "micro-batch token budget": args.max_tokens_per_microbatch,
         "no-grad forward token budget": args.forward_token_budget,
-        "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.max_new_tokens)
+        "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.response_width)
                                                     / args.max_tokens_per_microbatch),
         "trainer attention": describe(device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
     }
@@ -115,12 +117,12 @@ def load_policy(args, model_path: str, device):
 
 
 def rollout_engine(args, kind: str, model_path: str, seed: int, device, tok, stop_ids):
-    """The rollout engine (vLLM or the HF engine) for prompts of --max-prompt-tokens plus --max-new-tokens, and the
-    sampling settings every generation and evaluation of the run uses."""
-    engine = make_engine(kind, model_path, args.vllm, args.max_prompt_tokens + args.max_new_tokens, seed, device,
-                         tok.pad_token_id, stop_ids)
+    """The rollout engine (vLLM or the HF engine) for prompts of --max-prompt-tokens plus --max-new-tokens (with
+    --env: plus an episode, RLArgs.rollout_max_len), the sampling settings every generation and evaluation of the
+    run uses, and the environment of --env (common.env.EnvRunner; None without: one completion per prompt)."""
+    engine = make_engine(kind, model_path, args.vllm, args.rollout_max_len, seed, device, tok.pad_token_id, stop_ids)
     return engine, dict(top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                        stop_token_ids=stop_ids, ignore_eos=args.ignore_eos)
+                        stop_token_ids=stop_ids, ignore_eos=args.ignore_eos), make_env(args, tok)
 
 
 def resume_run(resume: str | None, ckpt_root: Path, state: dict, sampler, kl_coef: float):

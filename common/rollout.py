@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from common import dist as D
 from common.fsdp import iter_full_params
 from common.progress import token_streamer
-from common.rewards import format_reward, score
+from common.rewards import ScoreResult, _short, format_reward, score
 from common.tracking import timed
 
 
@@ -21,6 +21,22 @@ class Rollout:
     response_ids: list[list[int]]         # (B,) generated tokens, the stop token included
     logprobs: list[list[float]] | None    # (B,) sampling log-probs per response token; None if unknown
     finish_reasons: list[str]             # (B,) "stop" | "length"
+    episodes: "Episodes | None" = None    # multi-turn rollouts (common/env.py); None for one prompt, one completion
+
+
+@dataclass
+class Episodes:
+    """Per-episode facts of a multi-turn rollout (common.env.run_episodes), aligned with Rollout's rows."""
+    loss_mask: list[list[int]]            # (B,) per response token: 1 the model's, 0 the environment's
+    turns: list[int]                      # (B,) model turns
+    tool_calls: list[int]                 # (B,) observations flagged tool_call
+    tool_errors: list[int]                # (B,) ... and tool_error (malformed call, failed evaluation)
+    env_reward: list[float | None]        # (B,) the last reward the environment gave (None: --reward-fn scores)
+    turn_rewards: list[list[float | None]]  # (B,) the reward so far after each turn (None: not given)
+    errors: list[str | None]              # (B,) why the environment failed (raised, bad return), or None
+    timed_out: list[bool]                 # (B,) ... by running past --reward-timeout
+    max_turns: int
+    name: str                             # --env, for messages
 
 
 @dataclass
@@ -38,6 +54,13 @@ class RolloutBatch:
     n_errors: int                        # reward calls that raised (summed over ranks by the gather)
     n_timeouts: int                      # reward calls that timed out (summed)
     generate_s: float                    # seconds this rank generated (the gather keeps the slowest rank's)
+    # multi-turn rollouts (--env, common/env.py; None without): the response is the whole episode after the prompt
+    loss_mask: torch.Tensor | None = None    # (B, T) float, 1 on the model's tokens, 0 on the environment's
+    turns: torch.Tensor | None = None        # (B,) model turns
+    tool_calls: torch.Tensor | None = None   # (B,) tool calls
+    tool_errors: torch.Tensor | None = None  # (B,) failed tool calls (error observations to the model)
+    turn_rewards: torch.Tensor | None = None  # (B, max_turns) reward after each turn, the last carried forward
+    n_env_errors: int = 0                    # episodes whose environment raised or timed out (also in n_errors)
 
     @property
     def lengths(self) -> list[int]:
@@ -49,8 +72,10 @@ class RolloutBatch:
         return torch.tensor([len(r) for r in self.response_ids])  # (B,)
 
     def response_mask(self, width: int) -> torch.Tensor:
-        """(B, T) float, 1 on each response's tokens (responses start at column 0)."""
-        return (torch.arange(width)[None] < self.response_len[:, None]).float()
+        """(B, T) float, 1 on each response's tokens (responses start at column 0) that the model wrote: in a
+        multi-turn episode the environment's tokens are context, not actions, so the loss, KL and entropy skip them."""
+        mask = (torch.arange(width)[None] < self.response_len[:, None]).float()
+        return mask if self.loss_mask is None else mask * self.loss_mask[:, :width]
 
 
 def gather_rollout(part: RolloutBatch) -> RolloutBatch:
@@ -85,13 +110,17 @@ def padded(rows: list[list[float]], width: int, dtype=torch.float32) -> torch.Te
 
 
 def generate(engine, examples, n: int, temperature: float, seed: int, sampling: dict, perf: dict,
-             logprobs: bool = False) -> Rollout:
+             logprobs: bool = False, env=None) -> Rollout:
     """Sample n completions for each of this rank's `examples` (seconds into perf["generate_s"]), with the sampled
     tokens' log-probs if `logprobs`. sampling: the engine's other generate keywords (top_p, top_k, max_new_tokens,
-    stop_token_ids, ignore_eos)."""
+    stop_token_ids, ignore_eos). env: a common.env.EnvRunner (--env): n multi-turn episodes per example instead."""
     with timed(perf, "generate"):
-        rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, seed=seed,
-                                  logprobs=logprobs, **sampling)
+        if env is not None:
+            from common.env import run_episodes  # common.env builds on this module
+            rollout = run_episodes(engine, env, examples, n, temperature, seed, sampling, logprobs)
+        else:
+            rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, seed=seed,
+                                      logprobs=logprobs, **sampling)
     if "generate_cpu" in engine.timings:  # vLLM: CPU seconds of its host loop (close to generate_s: host-bound)
         perf["generate_cpu_s"] = engine.timings["generate_cpu"]
     return rollout
@@ -107,7 +136,11 @@ def score_rollout(rollout: Rollout, examples, reward_fn, tok, reward_timeout: fl
         texts = tok.batch_decode(rollout.response_ids, skip_special_tokens=True) if examples else []  # [] -> ['']
         prompts = [e.prompt_text for e in examples for _ in range(n)]
         answers = [e.answer for e in examples for _ in range(n)]
-        res = score(reward_fn, prompts, texts, answers, timeout_s=reward_timeout)
+        ep = rollout.episodes
+        if ep is None:
+            res = score(reward_fn, prompts, texts, answers, timeout_s=reward_timeout)
+        else:  # the environment's reward where it gave one, else --reward-fn on the episode's text
+            res = score_episodes(ep, reward_fn, prompts, texts, answers, reward_timeout)
     if res.first_error:
         print(f"[rank {torch.distributed.get_rank()}] {res.n_errors} reward errors, {res.n_timeouts} timeouts; first: {res.first_error}",
               flush=True)
@@ -120,7 +153,42 @@ def score_rollout(rollout: Rollout, examples, reward_fn, tok, reward_timeout: fl
                         padded(engine_rows := rollout.logprobs or [[]] * len(texts), width),
                         padded([[1.0] * len(lp) for lp in engine_rows], width).bool(), None, res.n_errors,
                         res.n_timeouts, perf.get("generate_s", 0.0))
+    if ep is not None:
+        add_episodes(part, ep, rewards, width)
     return part, texts, prompts, answers
+
+
+def score_episodes(ep: Episodes, reward_fn, prompts, texts, answers, reward_timeout: float) -> ScoreResult:
+    """Episode rewards: the environment's last reward where it gave one, 0 where it failed (counted with the reward
+    errors and timeouts, the first printed), else reward_fn on the prompt and the episode's text (tool results
+    included). As for reward functions, a batch in which every episode failed stops the run."""
+    todo = [i for i, (r, e) in enumerate(zip(ep.env_reward, ep.errors)) if r is None and e is None]
+    res = score(reward_fn, *([x[i] for i in todo] for x in (prompts, texts, answers)), timeout_s=reward_timeout)
+    rewards = [0.0 if r is None else r for r in ep.env_reward]
+    for i, r in zip(todo, res.rewards):
+        rewards[i] = r
+    failed = [i for i, e in enumerate(ep.errors) if e is not None]
+    n_timeouts = sum(ep.timed_out)
+    first = res.first_error
+    if failed:
+        i = failed[0]
+        first = (f"environment {ep.name} failed on episode {i}: {ep.errors[i]}\n  prompt={_short(prompts[i])}\n"
+                 f"  episode={_short(texts[i])}\n  answer={_short(answers[i])}")
+        if len(failed) == len(rewards):
+            raise RuntimeError(f"the environment failed in every one of the {len(rewards)} episodes; first: {first}")
+    return ScoreResult(rewards, res.n_errors + len(failed) - n_timeouts, res.n_timeouts + n_timeouts, first)
+
+
+def add_episodes(part: RolloutBatch, ep: Episodes, rewards: torch.Tensor, width: int) -> None:
+    """The multi-turn fields of a RolloutBatch: the loss mask, the counts, the reward after each turn (the final
+    reward, task and shaping, at the last turn and carried forward; None before it is 0)."""
+    part.loss_mask = padded(ep.loss_mask, width)
+    part.engine_mask &= part.loss_mask.bool()  # the engine sampled the model's tokens only
+    part.turns, part.tool_calls, part.tool_errors = (torch.tensor(x) for x in (ep.turns, ep.tool_calls, ep.tool_errors))
+    rows = [[0.0 if r is None else r for r in tr[:max(0, t - 1)]] + [float(R)] for tr, t, R in
+            zip(ep.turn_rewards, ep.turns, rewards)]
+    part.turn_rewards = torch.tensor([r + r[-1:] * (ep.max_turns - len(r)) for r in rows]).reshape(-1, ep.max_turns)
+    part.n_env_errors = sum(e is not None for e in ep.errors)
 
 
 def make_engine(kind: str, model_path: str, vllm_args, max_model_len: int, seed: int, device, pad_token_id: int,
@@ -155,7 +223,19 @@ def rollout_metrics(batch: RolloutBatch) -> dict:
             "reward/correct_frac": batch.correct.float().mean(),
             "reward/errors": batch.n_errors, "reward/timeouts": batch.n_timeouts,
             "rollout/response_len_mean": resp_len.float().mean(), "rollout/response_len_max": resp_len.max(),
-            "rollout/truncated_frac": batch.truncated.float().mean()}
+            "rollout/truncated_frac": batch.truncated.float().mean()} | multi_turn_metrics(batch)
+
+
+def multi_turn_metrics(batch: RolloutBatch) -> dict:
+    """rollout/* of multi-turn episodes (docs/multiturn.md); {} for single-turn rollouts."""
+    if batch.turns is None:
+        return {}
+    return {"rollout/turns_mean": batch.turns.float().mean(),
+            "rollout/tool_calls_mean": batch.tool_calls.float().mean(),
+            "rollout/tool_errors": batch.tool_errors.sum(), "rollout/env_errors": batch.n_env_errors,
+            "rollout/episode_len_mean": batch.response_len.float().mean(),
+            "rollout/model_tokens_mean": batch.loss_mask.sum(1).mean()} | {
+        f"reward/turn{t + 1}": batch.turn_rewards[:, t].mean() for t in range(batch.turn_rewards.shape[1])}
 
 
 def sample_rows(prompts: list[str], texts: list[str], answers: list[str], rewards: torch.Tensor) -> list[dict]:

@@ -136,9 +136,9 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """where to train"""
     logprob_impl: Literal["auto", "fused", "torch"] = "auto"
     """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
-    fused_loss: bool = True
+    fused_loss: bool = False
     """the NLL's gradient inside the LM head's forward (kernels.token_loss: 3 GEMMs, not 4) when the fused kernel runs
-    (--logprob-impl); off: the log-probs, then the loss (docs/kernels.md)"""
+    (--logprob-impl); off by default: slower at a 0.5B model's head with the 320 MB workspace (docs/kernels.md)"""
     attn_impl: str = "varlen"
     """trainer attention: varlen (packed rows, common/attention.py), or sdpa / eager"""
     token_accuracy: bool = True
@@ -250,12 +250,12 @@ def main(args: Args) -> None:
         eval_rows = load_rows(args.dataset, args.eval_split, args.dataset_config)
     else:
         rows, eval_rows = holdout_split(rows, args.eval_fraction, args.seed)
-    eval_rows = eval_rows[:args.eval_size] if args.eval_size else eval_rows
     fields = dict(messages_field=args.messages_field, prompt_field=args.prompt_field,
                   completion_field=args.completion_field, instruction=args.instruction, method=args.assistant_mask)
     train, dropped = build_examples(rows, tok, args.max_length, stop_ids, **fields,
                                     source=f"--dataset {args.dataset} ({args.train_split})")
-    evals, eval_dropped = build_examples(eval_rows, tok, args.max_length, stop_ids, **fields,
+    evals, eval_dropped = build_examples(eval_rows[:args.eval_size or None], tok, args.max_length, stop_ids,
+                                         **fields,
                                          source=f"--dataset {args.dataset} ({args.eval_split or 'held out'})")
     if args.sequences_per_step > len(train):
         raise ValueError(f"--sequences-per-step {args.sequences_per_step} is more than the {len(train)} train "
@@ -292,7 +292,9 @@ def main(args: Args) -> None:
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "model_path": model_path, "train_sequences": len(train),
                               "train_sequences_dropped": dropped, "eval_sequences": len(evals),
-                              "eval_sequences_dropped": eval_dropped, "num_steps_resolved": num_steps,
+                              "eval_sequences_dropped": eval_dropped,
+                              "eval_accuracy_prompts": len(eval_rows[:args.eval_accuracy_size]) if engine else 0,
+                              "num_steps_resolved": num_steps,
                               "resumed_from": str(resume_from or "")}
     tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
                            resume_step=start if resume_from else None)

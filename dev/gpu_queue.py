@@ -2,7 +2,9 @@
 
     setsid python3 dev/gpu_queue.py dev/queues/next.txt &      # dev/gpu_session.sh start QUEUE does this
 
-Queue file, one job per line: `NAME GPUS COMMAND...` (GPUS: `0`, `1` or `0,1`; `#` starts a comment). The file is
+Queue file, one job per line: `NAME GPUS COMMAND...` (GPUS: `0`, `1` or `0,1`, which set CUDA_VISIBLE_DEVICES; or
+lane labels such as `g` or `k`, for jobs that share the GPUs side by side: a label sets nothing, so the job sees every
+GPU unless its command pins one; `#` starts a comment). The file is
 read again before every launch, and every device call copies the working tree, so the queue can be edited in the
 middle of a session (reorder, add or delete lines that have not started) without touching running jobs. A job
 does not overtake an earlier waiting job that needs one of its GPUs, so a 2-GPU job is not starved by later
@@ -65,7 +67,9 @@ def main(queue: Path) -> None:
             busy = set().union(*(g for _, g in running.values()))
             for name, gpus, cmd in runnable(jobs, started, busy):
                 log_status(f"start {name} (gpu {','.join(sorted(gpus))})")
-                env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(sorted(gpus))}
+                env = dict(os.environ)  # GPU indices pin the job; a lane label (jobs sharing one GPU) leaves it be
+                if all(g.isdigit() for g in gpus):
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(sorted(gpus))
                 with open(LOGS / f"{name}.log", "w") as log:
                     proc = subprocess.Popen(["bash", "-c", cmd], env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)

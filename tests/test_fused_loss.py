@@ -32,6 +32,9 @@ TOL = {  # (values rtol, atol), (gradients rtol, atol): as tests/test_kernels.py
     torch.float32: ((1e-5, 1e-5), (1e-5, 1e-5)),
     torch.bfloat16: ((1e-5, 1e-4), (2e-2, 1e-3)),
 }
+# The summed loss in bf16: the H200 (2026-12-01) measured 5.2e-5 and 1.07e-5 relative to the fp32 reference on the
+# two bf16 GPU cases (the curved loss's exp(-logp) terms sum to -9e11 there), past the per-token 1e-5.
+LOSS_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-4}
 
 
 def make_inputs(N, H, V, dtype, device=DEV, seed=0, n_masked=2):
@@ -76,7 +79,7 @@ def assert_close(name, got, want, rtol, atol):
 
 def compare(got, want, dtype, n_rows):
     (vr, va), (gr, ga) = TOL[dtype]
-    assert_close("loss", got[0], want[0], vr, va * n_rows)  # a sum of n_rows per-token losses
+    assert_close("loss", got[0], want[0], LOSS_RTOL[dtype], va * n_rows)  # a sum of n_rows per-token losses
     for name, a, b, rtol, atol in zip(("logp", "entropy", "dh", "dW"), got[1:], want[1:], (vr, vr, gr, gr),
                                       (va, va, ga, ga)):
         assert_close(name, a, b, rtol, atol)

@@ -19,7 +19,8 @@ CASES = ("grpo-token-mean", "grpo-seq-mean", "grpo-gspo", "ppo-token-mean", "ppo
 def run_driver(out, device):
     env = {k: v for k, v in os.environ.items()  # a process-group left by an in-process test must not leak in
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    path = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env |= {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     p = subprocess.run([sys.executable, "tests/fused_loss_driver.py", str(out), device, *CASES], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"driver failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"

@@ -30,12 +30,14 @@ def test_queue_runs_jobs_on_their_gpus_in_order(tmp_path):
     q = tmp_path / "q.txt"
     q.write_text("g0 0 sleep 0.3; echo $CUDA_VISIBLE_DEVICES\n"
                  "g1 1 echo $CUDA_VISIBLE_DEVICES; exit 3\n"
-                 "both 0,1 echo $CUDA_VISIBLE_DEVICES\n")
-    env = {**os.environ, "QUEUE_LOGS": str(tmp_path / "logs")}
+                 "both 0,1 echo $CUDA_VISIBLE_DEVICES\n"
+                 "lane k echo visible=$CUDA_VISIBLE_DEVICES\n")  # a lane label: the GPUs the queue itself sees
+    env = {**os.environ, "QUEUE_LOGS": str(tmp_path / "logs"), "CUDA_VISIBLE_DEVICES": "0,1"}
     subprocess.run([sys.executable, str(ROOT / "dev" / "gpu_queue.py"), str(q)], env=env, check=True, timeout=60)
     logs = tmp_path / "logs"
     assert (logs / "g0.log").read_text().strip() == "0"
     assert (logs / "both.log").read_text().strip() == "0,1"
+    assert (logs / "lane.log").read_text().strip() == "visible=0,1"  # session 9: "k" hid every GPU from its jobs
     status = [line.split(" ", 1)[1] for line in (logs / "status").read_text().splitlines()]
     assert "end g1 rc=3" in status  # a failing job is recorded and does not stop the queue
     assert status.index("start both (gpu 0,1)") > max(status.index("end g0 rc=0"), status.index("end g1 rc=3"))

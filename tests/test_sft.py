@@ -191,8 +191,8 @@ def test_sft_cpu_two_ranks_loss_falls_resume_exact_export_loads(tmp_path, tiny_s
             "--eval-fraction", "0.2", "--max-new-tokens", "8", "--max-tokens-per-microbatch", "512", "--max-length",
             "256", "--lr", "1e-2", "--deterministic", "--save-every", "2"]
     full = tmp_path / "full"
-    torchrun("sft.py", *base, "--out-dir", str(full), "--eval-every", "2", "--eval-accuracy-size", "2",
-             "--export-hf", str(tmp_path / "hf"))
+    torchrun("sft.py", *base, "--out-dir", str(full), "--eval-every", "2", "--eval-size", "4",
+             "--eval-accuracy-size", "6", "--export-hf", str(tmp_path / "hf"))
     rows = read_metrics(full / "sft")
     train = [r for r in rows if "train/loss" in r]
     evals = {r["step"]: r for r in rows if "eval/loss" in r}
@@ -204,7 +204,8 @@ def test_sft_cpu_two_ranks_loss_falls_resume_exact_export_loads(tmp_path, tiny_s
     for k in ("eval/token_accuracy", "eval/accuracy", "eval/format"):
         assert 0 <= evals[0][k] <= 1, k
     config = json.loads((full / "sft" / "config.json").read_text())
-    assert config["train_sequences"] == 32 and config["eval_sequences"] == 8
+    # --eval-size caps the loss evaluation only; the greedy accuracy takes its own --eval-accuracy-size prompts
+    assert config["train_sequences"] == 32 and config["eval_sequences"] == 4 and config["eval_accuracy_prompts"] == 6
 
     # resume from the step-2 checkpoint (model, optimiser, schedule, data position): steps 2 and 3 as in one run
     ckpt2 = full / "sft" / "checkpoints" / "step_000002"

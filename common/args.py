@@ -14,6 +14,7 @@ import tyro
 from common.data import DEFAULT_INSTRUCTION
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs
+from common.lora import LoraArgs  # noqa: F401  (--lora.*: a nested group of every training script)
 from common.vllm_engine import VLLMArgs
 
 

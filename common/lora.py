@@ -58,8 +58,8 @@ def peft_config(args: LoraArgs, base_model: str = ""):
 def apply(lm: nn.Module, args: LoraArgs, fsdp: FSDPArgs, device: torch.device, seed: int) -> nn.Module:
     """Inject LoRA adapters into `lm` in place (before shard()) and return it; --lora.rank 0 returns it unchanged.
     Every original parameter is frozen and stored in the compute dtype (--fsdp.param-dtype; bf16 on a GPU): weights
-    that never change need no fp32 master copy. The adapters stay float32 (they are what the optimiser updates). Module names
-    gain peft's `.base_layer` / `.lora_A.default` / `.lora_B.default`; merged_params() strips them again.
+    that never change need no fp32 master copy. The adapters stay float32 (they are what the optimiser updates).
+    Module names gain peft's `.base_layer` / `.lora_A.default` / `.lora_B.default`; merged_params() strips them.
     The adapters are initialised from `seed` alone, so every rank holds the same values before sharding."""
     check(args)
     if not args.rank:
@@ -194,9 +194,10 @@ def adapter_state(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, tor
 
 def export_policy(policy: nn.Module, tok, config, out_dir: Path, args: LoraArgs, base_model: str,
                   prefix: str = "lm.") -> None:
-    """--export-hf, a collective. Without LoRA: common.checkpoint.export_hf. With it: the merged model (--lora.merge-on-export: an ordinary HF folder, the
-    base names, float32) or a peft adapter folder (adapter_config.json + adapter_model.safetensors, loaded with
-    peft.PeftModel.from_pretrained(base, out_dir) or AutoModelForCausalLM.from_pretrained(out_dir))."""
+    """--export-hf, a collective. Without LoRA: common.checkpoint.export_hf. With it: the merged model
+    (--lora.merge-on-export: an ordinary HF folder, the base names, float32) or a peft adapter folder
+    (adapter_config.json + adapter_model.safetensors + the tokenizer; peft.PeftModel.from_pretrained(base, out_dir),
+    or AutoModelForCausalLM.from_pretrained(out_dir) with peft installed, which loads the base it names)."""
     from common import checkpoint as C
     if not enabled(policy):
         C.export_hf(policy, tok, config, out_dir, prefix=prefix)

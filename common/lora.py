@@ -120,10 +120,13 @@ def adapters_disabled(model: nn.Module):
 
 class BaseView:
     """The reference pi_ref of a LoRA policy: calls run the policy with its adapters disabled (the base weights,
-    no second copy). Stands where a reference model goes (its forward and reshard())."""
+    no second copy). Stands where a reference model goes (its forward, reshard(), modules() for fsdp.reshard)."""
 
     def __init__(self, policy: nn.Module):
         self.policy = policy
+
+    def modules(self):
+        return self.policy.modules()
 
     def __call__(self, *args, **kwargs):
         with adapters_disabled(self.policy):

@@ -170,3 +170,37 @@ def test_dpo_lora_live_reference_is_the_base_and_resumes_exactly(tiny_model_dir,
     assert [resumed[s] for s in (2, 3)] == [cached[s] for s in (2, 3)]
     from common.models import resolve_model  # the merged export is an ordinary --model folder
     assert resolve_model(str(tmp_path / "hf")) == str(tmp_path / "hf")
+
+
+def comparable(run_dir: Path) -> dict[int, dict]:
+    """Each step's training row without timings."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/") and k != "time"}
+            for r in rows if "train/loss" in r}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_rl_lora_with_kl_resumes_exactly(script, tiny_model_dir, tmp_path):
+    """grpo.py / ppo.py with LoRA and a KL term (the reference: the base, adapters off): 4 steps straight == 2 steps,
+    then resumed from the checkpoint to 4; the checkpoint holds the policy's adapters (and PPO's whole critic)."""
+    args = ["--model", str(tiny_model_dir), "--reward-fn", "tests.toy_reward:letters", "--max-new-tokens", "6",
+            "--lr", "1e-2", "--top-k", "10", "--eval-every", "0", "--num-minibatches", "2", "--kl-coef", "0.1",
+            "--num-steps", "4", "--save-every", "2", "--deterministic", "--lora.rank", "4", "--lora.merge-on-export"]
+    args += ["--prompts-per-step", "2", "--group-size", "4"] if script == "grpo.py" else \
+        ["--prompts-per-step", "4", "--critic-lr", "1e-2", "--num-epochs", "1"]
+    name = script.removesuffix(".py")
+    p = torchrun(script, *args, "--out-dir", str(tmp_path / "straight"), "--export-hf", str(tmp_path / "hf"))
+    assert "the base (LoRA off)" in p.stdout  # the reference row of the geometry table
+    ckpt = tmp_path / "straight" / name / "checkpoints" / "step_000002"
+    policy_keys = saved_keys(ckpt)  # policy.model.* only (PPO's critic is critic.model.*)
+    assert policy_keys and all(".lora_A." in k or ".lora_B." in k for k in policy_keys)
+    torchrun(script, *args, "--out-dir", str(tmp_path / "resumed"), "--resume", str(ckpt))
+    straight, resumed = comparable(tmp_path / "straight" / name), comparable(tmp_path / "resumed" / name)
+    assert sorted(straight) == [0, 1, 2, 3] and sorted(resumed) == [2, 3]
+    assert max(straight[s]["train/kl"] for s in straight) > 1e-4  # the adapters moved the policy off the base
+    assert [resumed[s] for s in (2, 3)] == [straight[s] for s in (2, 3)]
+    if script == "grpo.py":  # the merged export is an ordinary model: grpo.py trains from it
+        torchrun(script, "--model", str(tmp_path / "hf"), "--reward-fn", "tests.toy_reward:letters", "--num-steps", "1",
+                 "--max-new-tokens", "6", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
+                 "--out-dir", str(tmp_path / "from_merged"))

@@ -28,7 +28,7 @@ class LoraArgs:
     alpha: float = 32.0
     """LoRA alpha: the update is (alpha / r) B A"""
     dropout: float = 0.0
-    """dropout on the adapters' input (training only; the reference and evaluation never drop)"""
+    """dropout on the adapters' input, in forwards with gradients only (no-grad passes and the reference never drop)"""
     target_modules: tuple[str, ...] = ("all-linear",)
     """module names that get adapters (q_proj v_proj ...), or all-linear (every linear layer but the LM head)"""
     merge_on_export: bool = False
@@ -74,7 +74,22 @@ def apply(lm: nn.Module, args: LoraArgs, fsdp: FSDPArgs, device: torch.device, s
     for p in lm.parameters():
         if not p.requires_grad:
             p.data = p.data.to(compute_dtype(fsdp, device))
+    for m in lm.modules():
+        if _is_lora(m) and args.dropout:
+            m.lora_dropout[ADAPTER] = GradDropout(args.dropout)
     return lm
+
+
+class GradDropout(nn.Module):
+    """--lora.dropout in the forwards that backpropagate only: the RL scripts' no-grad passes (pi_old, values,
+    evaluation) run the policy in train mode, and a ratio pi / pi_old must not compare two dropout draws."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return nn.functional.dropout(x, self.p, self.training and torch.is_grad_enabled())
 
 
 def enabled(model: nn.Module) -> bool:

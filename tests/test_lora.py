@@ -204,3 +204,22 @@ def test_rl_lora_with_kl_resumes_exactly(script, tiny_model_dir, tmp_path):
         torchrun(script, "--model", str(tmp_path / "hf"), "--reward-fn", "tests.toy_reward:letters", "--num-steps", "1",
                  "--max-new-tokens", "6", "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0",
                  "--out-dir", str(tmp_path / "from_merged"))
+
+
+def test_dropout_only_where_gradients_flow(tiny_model_dir):
+    """--lora.dropout: forwards with gradients draw dropout masks; no-grad passes (pi_old in grpo.py/ppo.py, which
+    run the policy in train mode) are deterministic and equal the eval-mode forward."""
+    lm = lora.apply(load_causal_lm(str(tiny_model_dir)), lora.LoraArgs(rank=4, dropout=0.5), FSDPArgs(),
+                    torch.device("cpu"), 1)
+    for n, p in lm.named_parameters():
+        if ".lora_B." in n:
+            torch.nn.init.normal_(p)  # B = 0 would hide the adapters (and their dropout)
+    ids = torch.arange(1, 9).view(1, -1)
+    run = lambda: lm(input_ids=ids).logits
+    lm.train()
+    with torch.no_grad():
+        a, b = run(), run()
+    assert torch.equal(a, b)
+    assert not torch.equal(run().detach(), run().detach())  # with gradients: two dropout draws
+    lm.eval()
+    assert torch.equal(run().detach(), a)

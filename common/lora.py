@@ -40,6 +40,11 @@ def check(args: LoraArgs) -> None:
     """Bad --lora.* values, named before anything loads."""
     if args.rank < 0:
         raise ValueError(f"--lora.rank {args.rank}: use 0 (off) or a rank r > 0 (8-64 is usual)")
+    default = LoraArgs()
+    changed = [f"--lora.{k.replace('_', '-')}" for k, v in vars(args).items()
+               if k != "rank" and v != getattr(default, k)]
+    if not args.rank and changed:
+        raise ValueError(f"{' '.join(changed)} without --lora.rank: LoRA is off (rank 0); give --lora.rank r > 0")
     if args.rank and not args.alpha > 0:
         raise ValueError(f"--lora.alpha {args.alpha}: must be > 0 (the update is alpha / r * B A)")
     if not 0 <= args.dropout < 1:

@@ -3,8 +3,6 @@ adapters alike; the reference (adapters disabled) is the base model; the merged 
 merge_and_unload; both --export-hf folders load in transformers with the policy's log-probs; checkpoints hold the
 adapters and resume exactly (sft.py, dpo.py); --lora.rank 0 changes nothing."""
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -73,7 +71,8 @@ def test_merged_refit_stream_is_peft_merge_and_unload(fp32, tiny_model_dir):
     assert set(r["merged"]) == set(want)
     for k, v in want.items():
         torch.testing.assert_close(r["merged"][k], v, rtol=1e-6, atol=1e-7, msg=k)
-    moved = [k for k in want if not torch.equal(v := want[k], load_causal_lm(str(tiny_model_dir)).state_dict()[k])]
+    init = load_causal_lm(str(tiny_model_dir)).state_dict()
+    moved = [k for k in want if not torch.equal(want[k], init[k])]
     assert len(moved) == 14  # every adapted linear layer (7 per layer, 2 layers) changed; nothing else
 
 
@@ -84,7 +83,7 @@ def test_exports_load_in_transformers_with_the_policys_logprobs(fp32):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     adapter = AutoModelForCausalLM.from_pretrained(out / "adapter")  # peft installed: base + adapter
     assert lora.enabled(adapter)
-    json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
     for model in (merged, adapter):
         torch.testing.assert_close(logp_of(model.float().eval(), r["mb"]), r["policy_logp"], rtol=1e-5, atol=1e-5)
 
@@ -112,7 +111,8 @@ def test_rank_0_is_off(tiny_model_dir):
 
 def test_bad_lora_flags_are_named(tiny_model_dir):
     for bad, flag in ((dict(rank=-1), "--lora.rank"), (dict(rank=4, alpha=0.0), "--lora.alpha"),
-                      (dict(rank=4, dropout=1.0), "--lora.dropout")):
+                      (dict(rank=4, dropout=1.0), "--lora.dropout"),
+                      (dict(merge_on_export=True), "--lora.merge-on-export without --lora.rank")):
         with pytest.raises(ValueError, match=flag):
             lora.check(lora.LoraArgs(**bad))
     with pytest.raises(ValueError, match="--lora.target-modules no_such_proj"):
@@ -141,7 +141,7 @@ def test_sft_lora_resumes_exactly_and_exports_adapters(tiny_model_dir, tmp_path)
     keys = saved_keys(ckpt2)
     assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)  # the adapters only, not the base
     torchrun("sft.py", *base, "--out-dir", str(tmp_path / "resumed"), "--resume", str(ckpt2))
-    full, resumed = metrics(tmp_path / "full" / "sft", "train/loss"), metrics(tmp_path / "resumed" / "sft", "train/loss")
+    full, resumed = (metrics(tmp_path / k / "sft", "train/loss") for k in ("full", "resumed"))
     assert sorted(full) == [0, 1, 2, 3] and sorted(resumed) == [2, 3]
     assert full[3] < full[0]  # the adapters learn
     assert [resumed[s] for s in (2, 3)] == [full[s] for s in (2, 3)]

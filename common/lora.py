@@ -8,6 +8,7 @@ names, and --export-hf writes a peft adapter folder or (--lora.merge-on-export) 
     ref = lora.base_view(policy)                      # pi_ref = the base: adapters off inside its forward
     engine.load_weights(lora.merged_params(policy, prefix="lm."))
 """
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,7 +235,8 @@ def export_policy(policy: nn.Module, tok, config, out_dir: Path, args: LoraArgs,
         torch.distributed.barrier()
         return
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out_dir, ignore_errors=True)  # replaced, as export_hf replaces its folder
+    out_dir.mkdir(parents=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     peft_config(args, base_model).save_pretrained(str(out_dir))
     if tok is not None:

@@ -57,7 +57,8 @@ import torch.nn.functional as F
 
 from common import checkpoint as C
 from common import dist as D
-from common.args import RunArgs, cli
+from common import lora
+from common.args import LoraArgs, RunArgs, cli
 from common.data import load_rows
 from common.determinism import set_deterministic
 from common.evaluate import log_eval
@@ -150,7 +151,8 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
     attn_impl: str = "sdpa"
     """transformers attention implementation"""
-    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
+    fsdp: FSDPArgs = field(default_factory=FSDPArgs)  # sharding: --fsdp.*
+    lora: LoraArgs = field(default_factory=LoraArgs)  # LoRA adapters: --lora.* (docs/lora.md)
 
     @property
     def sequences_per_step(self) -> int:
@@ -276,10 +278,11 @@ def main(args: Args) -> None:
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF once
     ref_path = model_path if args.ref_model is None else resolve_model_once(args.ref_model, d.is_main)
     tok = load_tokenizer(model_path)
-    policy, plan = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
-                         root=TokenLogProbs(lm, args.logprob_impl))
-    load_ref = lambda: shard(rlm := load_causal_lm(ref_path, args.attn_impl, trainable=False), args.fsdp, d.device,
-                             root=TokenLogProbs(rlm, args.logprob_impl))[0]
+    policy, plan = shard(lm := lora.apply(load_causal_lm(model_path, args.attn_impl), args.lora, args.fsdp, d.device,
+                                          args.seed), args.fsdp, d.device, root=TokenLogProbs(lm, args.logprob_impl))
+    load_ref = lambda: lora.base_view(policy) if args.lora.rank and args.ref_model is None else shard(
+        rlm := load_causal_lm(ref_path, args.attn_impl, trainable=False), args.fsdp, d.device,
+        root=TokenLogProbs(rlm, args.logprob_impl))[0]  # LoRA: pi_ref = the base, adapters off (no second copy)
     ref_model = load_ref() if args.uses_reference and not args.ref_cache else None
 
     # ---- data ---------------------------------------------------------------------------------------------
@@ -287,9 +290,8 @@ def main(args: Args) -> None:
         reasons = {}
         out = build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field,
                           source=f"--dataset {args.dataset} ({split})", reasons=reasons)
-        if d.is_main and reasons["identical"]:
-            print(f"{split}: dropped {reasons['identical']} pairs whose chosen equals their rejected response "
-                  f"(no preference to learn)", flush=True)
+        if d.is_main and reasons["identical"]:  # no preference to learn
+            print(f"{split}: dropped {reasons['identical']} pairs whose chosen equals their rejected", flush=True)
         return out
     rows = load_rows(args.dataset, args.train_split, args.dataset_config)
     if args.eval_split:
@@ -327,7 +329,7 @@ def main(args: Args) -> None:
     elif args.uses_reference:
         ref_status = "live (--no-ref-cache: pi_ref in memory)"
 
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+    optimizer = torch.optim.AdamW(lora.trainable(policy), lr=args.lr, betas=args.adam_betas,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, args.warmup_steps, num_steps, args.lr_schedule))
@@ -356,7 +358,7 @@ def main(args: Args) -> None:
     geometry = {
         "ranks": d.world_size, "pairs / step": args.pairs_per_step, "sequences / step": args.sequences_per_step,
         "pairs / rank / step": args.pairs_per_step / d.world_size,
-        "micro-batch token budget": args.max_tokens_per_microbatch, **plan.table(),
+        "micro-batch token budget": args.max_tokens_per_microbatch, **plan.table(), **lora.table(policy),
         "grad accumulation / rank (mean)": math.ceil(args.pairs_per_step / d.world_size * mean_pair
                                                      / args.max_tokens_per_microbatch),
         "train pairs (dropped too long)": f"{len(train)} ({dropped})",
@@ -437,7 +439,7 @@ def main(args: Args) -> None:
     if evaluating and not stopping:
         evaluate_and_log(num_steps)  # the final evaluation, on the final weights
     if args.export_hf:
-        C.export_hf(policy, tok, lm.config, Path(args.export_hf), prefix="lm.")
+        lora.export_policy(policy, tok, lm.config, Path(args.export_hf), args.lora, model_path)
     progress.close()
     tracker.finish()
     D.cleanup()

@@ -42,6 +42,7 @@ from typing import Literal
 import torch
 
 from common import dist as D
+from common import lora
 from common.attention import attn_kwargs
 from common.args import LossAgg, RLArgs, cli
 from common.data import PromptSampler
@@ -363,7 +364,7 @@ def main(args: Args) -> None:
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF first
     # the policy sharded by FSDP2 (plan: its decisions); the frozen reference only when the KL term is on
     tok, stop_ids, lm, policy, plan, ref, ref_early = load_policy(args, model_path, d.device)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+    optimizer = torch.optim.AdamW(lora.trainable(policy), lr=args.lr, betas=args.adam_betas,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.num_steps, args.lr_schedule))
@@ -380,7 +381,7 @@ def main(args: Args) -> None:
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     tracker = start_tracking(args, d, run_dir, start, resume_from, {"model_path": model_path}, {
         "prompts / step (P)": args.prompts_per_step, "group size (G)": args.group_size,
-        "sequences / step (P*G)": args.sequences_per_step,
+        "sequences / step (P*G)": args.sequences_per_step, **lora.table(policy),
         "old log-prob pass": "yes" if args.recompute_old_logp else "no (one step per rollout)"},
         plan, ref, ref_early, rollout_kind, len(train), dropped)
 
@@ -508,7 +509,7 @@ def main(args: Args) -> None:
 
     if args.eval_every and not stopping:
         evaluate_and_log(args.num_steps)  # the final evaluation, on the final weights
-    finish_run(args.export_hf, policy, tok, lm.config, progress, tracker, stop)  # export, close, exit 143 if stopped
+    finish_run(args.export_hf, policy, tok, lm.config, progress, tracker, stop, args.lora, model_path)
 
 
 if __name__ == "__main__":

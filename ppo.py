@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from common import dist as D
+from common import lora
 from common.attention import attn_kwargs
 from common.args import LossAgg, RLArgs, cli
 from common.data import PromptSampler
@@ -379,7 +380,7 @@ def main(args: Args) -> None:
     critic, critic_plan = shard(clm := load_causal_lm(critic_path, args.attn_impl), args.fsdp, d.device,
                                 root=ValueModel(clm))
     del clm  # its LM head is not part of the critic
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+    optimizer = torch.optim.AdamW(lora.trainable(policy), lr=args.lr, betas=args.adam_betas,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(  # steps once per policy update, so it starts after the critic warm-up
         optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.num_steps - args.critic_warmup_steps,
@@ -402,7 +403,7 @@ def main(args: Args) -> None:
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     tracker = start_tracking(args, d, run_dir, start, resume_from, {"model_path": model_path, "critic_path": critic_path},
                              {"prompts / step (P)": args.prompts_per_step, "samples / prompt (n)": args.samples_per_prompt,
-                              "sequences / step (P*n)": args.sequences_per_step,
+                              "sequences / step (P*n)": args.sequences_per_step, **lora.table(policy),
                               "critic FSDP unit, keep gathered": f"{critic_plan.unit}, {critic_plan.keep_gathered}",
                               "KL coefficient": f"adaptive from {args.kl_coef} (target {args.kl_target})"
                               if args.kl_target else args.kl_coef,
@@ -536,7 +537,7 @@ def main(args: Args) -> None:
 
     if args.eval_every and not stopping:
         evaluate_and_log(args.num_steps)  # the final evaluation, on the final weights
-    finish_run(args.export_hf, policy, tok, lm.config, progress, tracker, stop)  # export, close, exit 143 if stopped
+    finish_run(args.export_hf, policy, tok, lm.config, progress, tracker, stop, args.lora, model_path)
 
 
 if __name__ == "__main__":

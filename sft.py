@@ -41,7 +41,8 @@ import torch
 
 from common import checkpoint as C
 from common import dist as D
-from common.args import RunArgs, cli
+from common import lora
+from common.args import LoraArgs, RunArgs, cli
 from common.attention import attn_kwargs, describe, register_varlen_attention
 from common.chat import build_examples, row_format
 from common.data import DEFAULT_INSTRUCTION, build_prompts, load_rows
@@ -147,6 +148,7 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (common/flops.py)"""
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)  # sharding: --fsdp.*
     vllm: VLLMArgs = field(default_factory=VLLMArgs)  # the evaluation engine: --vllm.*
+    lora: LoraArgs = field(default_factory=LoraArgs)  # LoRA adapters: --lora.* (docs/lora.md)
 
 
 # ---- pure algorithm functions (tests/test_sft.py) -----------------------------------------------------------
@@ -237,9 +239,9 @@ def main(args: Args) -> None:
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF first
     tok = load_tokenizer(model_path)
     stop_ids = eos_token_ids(tok, model_path)
-    policy, plan = shard(lm := load_causal_lm(model_path, args.attn_impl), args.fsdp, d.device,
-                         root=TokenLogProbs(lm, args.logprob_impl))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+    policy, plan = shard(lm := lora.apply(load_causal_lm(model_path, args.attn_impl), args.lora, args.fsdp, d.device,
+                                          args.seed), args.fsdp, d.device, root=TokenLogProbs(lm, args.logprob_impl))
+    optimizer = torch.optim.AdamW(lora.trainable(policy), lr=args.lr, betas=args.adam_betas,
                                   weight_decay=args.weight_decay)
 
     # ---- data -----------------------------------------------------------------------------------------------
@@ -303,7 +305,7 @@ def main(args: Args) -> None:
         print(print_table("batch geometry", {
             "ranks": d.world_size, "sequences / step": args.sequences_per_step,
             "sequences / rank / step": args.sequences_per_step / d.world_size,
-            "micro-batch token budget": args.max_tokens_per_microbatch, **plan.table(),
+            "micro-batch token budget": args.max_tokens_per_microbatch, **plan.table(), **lora.table(policy),
             "grad accumulation / rank (mean)": math.ceil(args.sequences_per_step / d.world_size * mean_len
                                                          / args.max_tokens_per_microbatch),
             "trainer attention": describe(d.device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
@@ -381,7 +383,7 @@ def main(args: Args) -> None:
     if evaluating and not stopping:
         evaluate_and_log(num_steps)  # the final evaluation, on the final weights
     if args.export_hf:
-        C.export_hf(policy, tok, lm.config, Path(args.export_hf), prefix="lm.")
+        lora.export_policy(policy, tok, lm.config, Path(args.export_hf), args.lora, model_path)
     progress.close()
     tracker.finish()
     D.cleanup()

@@ -14,6 +14,7 @@ import tyro
 from common.data import DEFAULT_INSTRUCTION
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs
+from common.lora import LoraArgs
 from common.vllm_engine import VLLMArgs
 
 
@@ -154,6 +155,7 @@ class RLArgs(RunArgs):
     """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (H200 as measured; common/flops.py)"""
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)  # sharding: --fsdp.*
     vllm: VLLMArgs = field(default_factory=VLLMArgs)  # the vLLM engine: --vllm.*
+    lora: LoraArgs = field(default_factory=LoraArgs)  # LoRA adapters: --lora.* (docs/lora.md)
 
     # the derived batch geometry both RL scripts share (each defines sequences_per_step and the flags these read)
     @property

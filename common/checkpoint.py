@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from common import dist as D
 from common.fsdp import iter_full_params
@@ -116,9 +116,16 @@ def resolve_resume(arg: str, ckpt_root: Path) -> Path | None:
 # ---------------------------------------------------------------------------- what goes into a checkpoint
 
 
+def _frozen(model: nn.Module) -> set[str]:
+    """Names of a trained model's frozen parameters (LoRA's base weights): not checkpointed, since they are the
+    --model weights, loaded again on resume; the checkpoint holds what trains (common/lora.py)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 def _dcp_state(state: dict) -> dict:
     """The state dict DCP saves / loads in place: (model, optimizer | None) pairs through get_state_dict (FSDP2
-    DTensors stay sharded), anything else with state_dict() (LR scheduler) as is."""
+    DTensors stay sharded; with an optimiser, only the parameters that train), anything else with state_dict()
+    (LR scheduler) as is."""
     out = {}
     for name, obj in state.items():
         if isinstance(obj, tuple):
@@ -127,7 +134,8 @@ def _dcp_state(state: dict) -> dict:
                 out[name] = {"model": get_state_dict(model, [])[0]}
             else:
                 msd, osd = get_state_dict(model, opt)
-                out[name] = {"model": msd, "optim": osd}
+                frozen = _frozen(model)
+                out[name] = {"model": {k: v for k, v in msd.items() if k not in frozen}, "optim": osd}
         else:
             out[name] = obj.state_dict()
     return out
@@ -139,9 +147,10 @@ def _apply_dcp_state(state: dict, loaded: dict) -> None:
             model, opt = obj
             if opt is None:
                 set_state_dict(model, [], model_state_dict=loaded[name]["model"], optim_state_dict={})
-            else:
+            else:  # not strict: a LoRA model's frozen base is not in the checkpoint (_frozen)
                 set_state_dict(model, opt, model_state_dict=loaded[name]["model"],
-                               optim_state_dict=loaded[name]["optim"])
+                               optim_state_dict=loaded[name]["optim"],
+                               options=StateDictOptions(strict=not _frozen(model)))
         else:
             obj.load_state_dict(loaded[name])
 
@@ -307,14 +316,15 @@ def load_checkpoint(path: Path, state: dict, restore_rng: bool = True) -> dict:
 
 
 def export_hf(model: nn.Module, tokenizer, config, out_dir: Path, prefix: str = "", dtype: torch.dtype | None = None,
-              generation_config=None) -> Path | None:
+              generation_config=None, params=None) -> Path | None:
     """Write `model` as an HF folder that from_pretrained loads; a collective (iter_full_params), rank 0 writes.
 
     Full tensors are streamed one at a time into safetensors files of <= 2 GiB (model.safetensors, or
     model-0000k-of-0000n.safetensors + model.safetensors.index.json). dtype: None keeps the parameters' dtype (fp32
     master weights: exact; bf16 would round away updates below bf16's resolution, e.g. most of an lr-1e-6 run).
     Tied embeddings are written once (under the embedding's name; from_pretrained re-ties lm_head). config /
-    generation_config: None takes them from the HF module at `prefix` (e.g. "lm." inside TokenLogProbs).
+    generation_config: None takes them from the HF module at `prefix` (e.g. "lm." inside TokenLogProbs). params: the
+    (name, full tensor) stream to write (default iter_full_params(model, prefix); LoRA's merged_params).
     The folder is assembled as `.tmp-<name>` and renamed at the end. Returns out_dir on rank 0, None elsewhere.
     """
     from safetensors.torch import save_file
@@ -339,7 +349,7 @@ def export_hf(model: nn.Module, tokenizer, config, out_dir: Path, prefix: str = 
             weight_map.update({k: name for k in shard})
         shard, shard_bytes = {}, 0
 
-    for name, t in iter_full_params(model, prefix):  # every rank gathers; only rank 0 keeps anything
+    for name, t in params or iter_full_params(model, prefix):  # every rank gathers; only rank 0 keeps anything
         if rank != 0:
             continue
         t = t.to("cpu", dtype or t.dtype).contiguous().clone()
@@ -394,6 +404,10 @@ def load_for_export(checkpoint: Path, model_path: str, key: str = "policy") -> n
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     head = f"{key}.model."
     saved_keys = [k[len(head):] for k in saved if k.startswith(head)]
+    if any(".lora_A." in k for k in saved_keys):
+        raise CheckpointError(f"{checkpoint} is a LoRA run's (it holds the adapters, not the base weights): export "
+                              "with the run's --export-hf (add --lora.merge-on-export for a merged model), or resume "
+                              "it with --resume, --num-steps <its step> and --export-hf; docs/lora.md")
     if not saved_keys:
         names = sorted({k.split(".")[0] for k in saved})
         raise CheckpointError(f"{checkpoint} has no model under '{key}'; it holds {names}: pass --key <one of them>")

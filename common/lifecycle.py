@@ -9,8 +9,9 @@ from pathlib import Path
 
 from common import dist as D
 from common.attention import register_varlen_attention
-from common.checkpoint import export_hf, save_checkpoint
+from common.checkpoint import save_checkpoint
 from common.determinism import set_deterministic
+from common.lora import LoraArgs, export_policy
 from common.stop import StopFlag, exit_if_stopped, stop_agreed
 
 
@@ -33,9 +34,10 @@ def checkpoint_step(stop: StopFlag, ckpt_root: Path, done: int, state: dict, ext
     return stopping
 
 
-def finish_run(export_dir: str | None, policy, tok, config, progress, tracker, stop: StopFlag) -> None:
-    if export_dir:
-        export_hf(policy, tok, config, Path(export_dir), prefix="lm.")
+def finish_run(export_dir: str | None, policy, tok, config, progress, tracker, stop: StopFlag,
+               lora_args: LoraArgs | None = None, base_model: str = "") -> None:
+    if export_dir:  # an HF folder; with LoRA a peft adapter folder or the merged model (common/lora.py)
+        export_policy(policy, tok, config, Path(export_dir), lora_args or LoraArgs(), base_model)
     progress.close()
     tracker.finish()
     D.cleanup()

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from common import checkpoint as C
+from common import lora
 from common.attention import describe
 from common.data import build_prompts, load_rows
 from common.env import make_env
@@ -105,12 +106,15 @@ def load_policy(args, model_path: str, device):
     """The tokenizer, its stop ids, the policy LM sharded with its log-prob root (FSDP2, common.fsdp.shard) and,
     only when the KL term is on (--kl-coef > 0), the frozen reference placed as --reference says (sharded, or a
     whole copy per rank scored before the gather: ref_early). Returns tok, stop_ids, lm, policy, plan, ref,
-    ref_early (ref None without a KL term)."""
+    ref_early (ref None without a KL term). With --lora.rank r > 0 the policy trains LoRA adapters on a frozen base,
+    and the reference is that base, the policy with its adapters off (common.lora.BaseView): no second copy."""
     tok = load_tokenizer(model_path)
-    lm = load_causal_lm(model_path, args.attn_impl)
+    lm = lora.apply(load_causal_lm(model_path, args.attn_impl), args.lora, args.fsdp, device, args.seed)
     policy, plan = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl))
     ref, ref_early = None, False
-    if args.kl_coef > 0:
+    if args.kl_coef > 0 and args.lora.rank:
+        ref = lora.base_view(policy)
+    elif args.kl_coef > 0:
         rlm = load_causal_lm(model_path, args.attn_impl, trainable=False)
         ref, ref_early = place_frozen(rlm, args.fsdp, device, args.reference, root=TokenLogProbs(rlm, args.logprob_impl))
     return tok, eos_token_ids(tok, model_path), lm, policy, plan, ref, ref_early
@@ -148,6 +152,7 @@ def start_tracking(args, d, run_dir: Path, start: int, resume_from, config: dict
         print(print_table("batch geometry", {"ranks": d.world_size, **rows, **geometry_rows(args, d.world_size, d.device),
                                              **plan.table(), "reference model": (
                                                  "no (kl_coef = 0)" if ref is None else
+                                                 "the base (LoRA off)" if isinstance(ref, lora.BaseView) else
                                                  "replicated, scored before the gather" if ref_early else "sharded"),
                                              "rollout engine": rollout_kind,
                                              "train prompts (dropped too long)": f"{train_size} ({dropped})"}),

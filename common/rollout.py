@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common import dist as D
-from common.fsdp import iter_full_params
+from common.lora import refit_params
 from common.progress import token_streamer
 from common.rewards import ScoreResult, _short, format_reward, score
 from common.tracking import timed
@@ -211,7 +211,7 @@ def sync_engine(engine, policy, trained: bool, gather_all: bool, perf: dict) -> 
         engine.wake(["weights"])
     if trained or engine.weights_discarded:
         with timed(perf, "refit"):
-            engine.load_weights(iter_full_params(policy, prefix="lm.", gather_all=gather_all))
+            engine.load_weights(refit_params(policy, "lm.", gather_all))  # LoRA: merged W + (alpha/r) B A
     with timed(perf, "wake_kv"):
         engine.wake(["kv_cache"])
 

@@ -93,3 +93,12 @@ def test_bad_input(sweep, tmp_path):
     (sweep / "a1" / "config.json").write_text(json.dumps({"seed": 1, "num_steps": 3}))
     with pytest.raises(SystemExit, match="use --x step"):
         K.compare([str(sweep / "a1")], ["reward/mean"], x="sequences")
+
+
+def test_a_key_older_runs_lack_is_not_a_difference():
+    # session 9's ablation: a run from before --fused-loss existed against one that records it (False), and the one
+    # knob that was changed (format_coef): only format_coef is a column, not every flag added since
+    old = {"seed": 1, "format_coef": 0.1}
+    new = {"seed": 1, "format_coef": 0.0, "fused_loss": False, "env": ""}
+    assert K.differing_keys([old, new]) == ["format_coef"]
+    assert K.differing_keys([old, new | {"fused_loss": True}, new]) == ["format_coef", "fused_loss"]

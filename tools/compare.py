@@ -59,9 +59,10 @@ def load_run(path: Path) -> dict:
 
 
 def differing_keys(configs: list[dict]) -> list[str]:
-    """Config keys whose values are not the same in all runs (missing counts as a value), ignored keys left out."""
+    """Config keys whose values are not the same in all the runs that record them, ignored keys left out. A key
+    some runs lack (a flag added after they ran) is not a difference by itself: their value is unknown."""
     keys = sorted(set().union(*configs) - IGNORED)
-    return [k for k in keys if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
+    return [k for k in keys if len({json.dumps(c[k], sort_keys=True, default=str) for c in configs if k in c}) > 1]
 
 
 def sequences_per_step(run: dict) -> float:

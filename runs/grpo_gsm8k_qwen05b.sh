@@ -8,11 +8,15 @@
 #   train.jsonl and test.jsonl (GSM8K "main": question, answer).
 # 64 prompts x 8 samples per step, 2 mini-batches (2 optimiser steps per rollout, so the clip and the old-log-prob
 # pass matter), token-mean loss, clip 0.2 / 0.28 (DAPO clip-higher), no KL (no reference model), lr 2e-6 constant
-# after 5 warm-up steps; reward = correctness (math-verify) + 0.1 x the '#### <number>' format reward (evaluation
-# counts correctness alone). Checkpoints every 25 steps (--resume latest continues on the same machine).
+# after 5 warm-up steps; reward = correctness (math-verify) alone, --format-coef 0 (the evaluation counts correctness
+# alone; the instruction still asks for '#### <number>'). Checkpoints every 25 steps (--resume latest continues on
+# the same machine).
 # --vllm.sleep-level 0 (engine resident): session 8 ran it beside other jobs on the same GPU, where vLLM's sleep
 # asserts 'Memory usage increased after sleeping' (it measures the whole device's free memory).
-# Measured (session 8, 1 H200): 27.0 % -> 40.1 % in 100 steps, 6.7 s/step alone; docs/results/grpo_gsm8k_qwen05b.
+# Measured (GPU session 9, 2026-12-01, 1 H200, --format-coef 0): 26.99 % -> 40.64 % in 100 steps, 9.1 s/step (GPU
+# shared with PPO); docs/grpo.md, docs/results/grpo_gsm8k_qwen05b_nofmt. Session 8's run used --format-coef 0.1
+# (26.99 % -> 40.11 %, a collapse to bare '#### n' answers at steps 7-20; docs/results/grpo_gsm8k_qwen05b):
+# pass --format-coef 0.1 to reproduce it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the assembled Qwen2.5-Coder-0.5B-Instruct .gguf}"
@@ -27,7 +31,7 @@ PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" grpo.py 
   --num-steps 100 --eval-every 20 --eval-size 1319 --eval-n 0 --save-every 25 --keep-last 1 --log-samples-every 5 \
   --prompts-per-step 64 --group-size 8 --num-minibatches 2 --num-epochs 1 \
   --temperature 1.0 --top-p 1.0 --top-k 0 \
-  --reward-fn math --format-coef 0.1 --scale-by-std --loss-agg token-mean --no-dynamic-sampling --overlong none \
+  --reward-fn math --format-coef 0 --scale-by-std --loss-agg token-mean --no-dynamic-sampling --overlong none \
   --clip-eps-low 0.2 --clip-eps-high 0.28 --kl-coef 0.0 --entropy-coef 0.0 --tis-cap 0.0 --engine-logprobs-every 10 \
   --lr 2e-6 --lr-schedule constant --warmup-steps 5 --weight-decay 0.0 --adam-betas 0.9 0.99 --max-grad-norm 1.0 \
   --max-tokens-per-microbatch 16384 --max-tokens-per-forward 0 \

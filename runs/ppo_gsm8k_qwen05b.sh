@@ -7,8 +7,9 @@
 # 4 mini-batches x 1 epoch = 4 optimiser steps per rollout; actor lr 2e-6, critic lr 1e-5 (critic starts from the
 # policy's weights and learns alone for 3 steps); gamma = lambda = 1 (Monte-Carlo returns minus V, as verl's GSM8K
 # recipe); no KL penalty (no reference model); clip 0.2 / 0.28; reward as GRPO's (correct + 0.1 x format).
-# Session 8 ran this at --vllm.sleep-level 2 beside other jobs and stopped it at step 12 (device time); with other
-# jobs on the same GPU pass --vllm.sleep-level 0 (vLLM's sleep asserts on device-wide memory; grpo recipe).
+# --vllm.sleep-level 0 (engine resident): with other jobs on the same GPU vLLM's sleep asserts on device-wide memory
+# (grpo recipe). Measured (GPU session 9, 2026-12-01, 1 H200, beside GRPO until step 51): 26.99 % -> 37.91 % at
+# step 60, stopped after step 77 (device time); docs/ppo.md, docs/results/ppo_gsm8k_qwen05b.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the assembled Qwen2.5-Coder-0.5B-Instruct .gguf}"
@@ -31,6 +32,6 @@ PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" ppo.py \
   --weight-decay 0.0 --adam-betas 0.9 0.99 --max-grad-norm 1.0 \
   --max-tokens-per-microbatch 16384 --max-tokens-per-forward 0 \
   --rollout vllm --logprob-impl auto --attn-impl varlen \
-  --vllm.gpu-memory-utilization 0.2 --vllm.kv-cache-fit --vllm.max-num-seqs 512 --vllm.sleep-level 2 \
+  --vllm.gpu-memory-utilization 0.2 --vllm.kv-cache-fit --vllm.max-num-seqs 512 --vllm.sleep-level 0 \
   --vllm.enable-prefix-caching --vllm.dtype bfloat16 --vllm.seed-requests \
   "$@"

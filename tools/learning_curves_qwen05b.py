@@ -1,31 +1,55 @@
-"""Draws docs/results/qwen05b_gsm8k_curves.png from the session-8 runs in docs/results/:
-python3 -m tools.learning_curves_qwen05b"""
-import json, matplotlib
+"""Draws docs/results/qwen05b_gsm8k_curves.png (issue 19) from the runs in docs/results/: GRPO --format-coef 0
+(session 9), GRPO --format-coef 0.1 (session 8, faint), PPO (session 9, stopped after step 77), DPO (session 8) and the
+SFT warm start's starting point (session 9): test accuracy and mean response length against sampled sequences.
+    python3 -m tools.learning_curves_qwen05b"""
+import json
+from pathlib import Path
+
+import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-R = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "docs" / "results") + "/"
-load = lambda p: [json.loads(l) for l in open(R + p)]
-g, p = load("grpo_gsm8k_qwen05b/metrics.jsonl"), load("ppo_gsm8k_qwen05b/metrics.jsonl")
-d_eval = load("dpo_gsm8k_qwen05b/eval/metrics.jsonl")[0]
+
+R = Path(__file__).resolve().parent.parent / "docs" / "results"
 SEQ = 512  # sampled sequences per step (GRPO 64 x 8, PPO 512 x 1)
-fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-ge = [r for r in g if "eval/accuracy" in r]
-a1.plot([r["step"] * SEQ for r in ge], [100 * r["eval/accuracy"] for r in ge], "o-", label="GRPO (64 x 8 / step, 100 steps)")
-pe = [r for r in p if "eval/accuracy" in r]
-a1.plot([r["step"] * SEQ for r in pe], [100 * r["eval/accuracy"] for r in pe], "s", ms=8, label="PPO (stopped at step 12: only step 0 evaluated)")
-a1.plot([0, 8192], [100 * ge[0]["eval/accuracy"], 100 * d_eval["eval/accuracy"]], "^--",
-        label="DPO (8,192 samples -> 534 pairs, 2 epochs)")
-a1.axhline(100 * ge[0]["eval/accuracy"] + 15, color="grey", ls=":", lw=1, label="GRPO goal (+15 points)")
+RUNS = [  # (label, run folder, marker style, colour, faint)
+    ("GRPO, --format-coef 0 (session 9)", "grpo_gsm8k_qwen05b_nofmt", "o-", "C0", False),
+    ("GRPO, --format-coef 0.1 (session 8)", "grpo_gsm8k_qwen05b", "o:", "C1", True),
+    ("PPO (session 9, stopped)", "ppo_gsm8k_qwen05b", "s-", "C2", False),
+]
+
+
+def load(name: str) -> list[dict]:
+    return [json.loads(line) for line in open(R / name) if line.strip().startswith("{")]
+
+
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(11.5, 4.4))
+for label, run, style, col, faint in RUNS:
+    rows = load(f"{run}/metrics.jsonl")
+    ev = [r for r in rows if "eval/accuracy" in r]
+    steps = sum(1 for r in rows if "perf/step_s" in r)
+    alpha = 0.6 if faint else 1.0
+    a1.plot([r["step"] * SEQ for r in ev], [100 * r["eval/accuracy"] for r in ev], style, color=col, alpha=alpha,
+            label=f"{label}, {steps} steps")
+    a2.plot([r["step"] * SEQ for r in ev], [r["eval/response_len"] for r in ev], style, color=col, alpha=alpha,
+            label=f"{label.split(' (')[0]}, test (greedy)")
+    if not faint:
+        tr = [r for r in rows if "rollout/response_len_mean" in r]
+        a2.plot([r["step"] * SEQ for r in tr], [r["rollout/response_len_mean"] for r in tr], "-", color=col, lw=0.8,
+                alpha=0.4, label=f"{label.split(' (')[0]}, training samples (T=1)")
+base = load("grpo_gsm8k_qwen05b_nofmt/metrics.jsonl")[0]
+assert base["step"] == 0 and "eval/accuracy" in base
+d_eval = load("dpo_gsm8k_qwen05b/eval/metrics.jsonl")[0]  # dpo.py's policy after 2 epochs on 534 pairs (8,192 samples)
+a1.plot([0, 8192], [100 * base["eval/accuracy"], 100 * d_eval["eval/accuracy"]], "^--", color="C3",
+        label="DPO (session 8; pairs from 8,192 samples)")
+a2.plot([0, 8192], [base["eval/response_len"], d_eval["eval/response_len"]], "^--", color="C3", label="DPO, test (greedy)")
+sft = [r for r in load("grpo_gsm8k_qwen05b_from_sft/metrics.jsonl") if "eval/accuracy" in r][0]
+a1.plot([0], [100 * sft["eval/accuracy"]], "*", ms=12, color="C4", label="after 40 SFT steps (session 9), step 0 only")
+a2.plot([0], [sft["eval/response_len"]], "*", ms=12, color="C4", label="after 40 SFT steps, test (greedy)")
+a1.axhline(100 * base["eval/accuracy"] + 15, color="grey", ls=":", lw=1, label="GRPO goal (+15 points)")
+a1.axhline(100 * base["eval/accuracy"] + 10, color="grey", ls="-.", lw=0.8, label="PPO goal (+10 points)")
 a1.set_xlabel("sampled sequences (training)"); a1.set_ylabel("GSM8K test accuracy, % (1,319, greedy)")
-a1.set_title("Qwen2.5-Coder-0.5B-Instruct (Q4_K_M dequantised), 1 H200"); a1.legend(fontsize=8); a1.grid(alpha=.3)
-a2.plot([r["step"] * SEQ for r in ge], [r["eval/response_len"] for r in ge], "o-", label="GRPO, test (greedy)")
-a2.plot([r["step"] * SEQ for r in g if "rollout/response_len_mean" in r],
-        [r["rollout/response_len_mean"] for r in g if "rollout/response_len_mean" in r], "-", alpha=.5, lw=1,
-        label="GRPO, training samples (T=1)")
-a2.plot([r["step"] * SEQ for r in p if "rollout/response_len_mean" in r],
-        [r["rollout/response_len_mean"] for r in p if "rollout/response_len_mean" in r], "-", alpha=.7, lw=1,
-        label="PPO, training samples (T=1)")
-a2.plot([0, 8192], [ge[0]["eval/response_len"], d_eval["eval/response_len"]], "^--", label="DPO, test (greedy)")
+a1.set_title("Qwen2.5-Coder-0.5B-Instruct (Q4_K_M dequantised), 1 H200"); a1.legend(fontsize=7); a1.grid(alpha=.3)
 a2.set_xlabel("sampled sequences (training)"); a2.set_ylabel("mean response length, tokens")
-a2.legend(fontsize=8); a2.grid(alpha=.3)
-fig.tight_layout(); fig.savefig(R + "qwen05b_gsm8k_curves.png", dpi=110)
+a2.legend(fontsize=7); a2.grid(alpha=.3)
+fig.tight_layout(); fig.savefig(R / "qwen05b_gsm8k_curves.png", dpi=110)
+print("wrote", R / "qwen05b_gsm8k_curves.png")

@@ -176,8 +176,13 @@ def test_calculator_recipe_flags_parse(monkeypatch, tokenizer):
     from common.args import cli
     from common.env import make_env
     from conftest import ROOT
-    text = (ROOT / "runs" / "grpo_gsm8k_qwen05b_calculator.sh").read_text()
-    argv = shlex.split(text.split("grpo.py \\\n", 1)[1].split('"$@"')[0].replace("\\\n", " "))
+
+    def flags(name: str, after: str) -> list[str]:
+        text = (ROOT / "runs" / name).read_text().replace("$INSTRUCTION", "CALC")
+        return shlex.split(text.split(after, 1)[1].split('"$@"')[0].replace("\\\n", " "))
+    # the calculator recipe is the plain one's flags, then its own (later flags win)
+    argv = (flags("grpo_gsm8k_qwen05b.sh", "grpo.py \\\n")
+            + flags("grpo_gsm8k_qwen05b_calculator.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
     monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
     args = cli(grpo.Args)
     assert (args.env, args.max_turns, args.response_width, args.rollout) == ("calculator", 4, 1024, "vllm")

@@ -3,8 +3,10 @@
 
     clf = init_reward_model(model_path, tok)                  # rm.py: the LM at model_path + a new scalar head
     model = LastTokenReward(clf)                              # packed forward: one reward per sequence of a row
-    scorer = RewardScorer(resolve_model(spec), policy_tok, device, budget)    # grpo.py / ppo.py: --reward-model
+    scorer = RewardScorer(resolve_model(spec), policy_tok, device, budget)    # --reward-model of grpo.py / ppo.py
     r = scorer.score(prompt_ids, response_ids, prompt_texts, completions)    # (B,); on the GPU only inside
+    rm = rollout_reward_model(args, tok, d)      # grpo.py / ppo.py: None without --reward-model
+    rm.mix(part, prompt_texts, texts, perf)      # each step: r = rule_coef * rule + reward_model_coef * rm (normed)
 
 The head is read where transformers reads it: at the last token of each sequence that is not the pad token (so a
 checkpoint whose pad token is its EOS is read just before a trailing EOS, by rm.py, the scorer and transformers
@@ -12,15 +14,19 @@ alike). A reward model whose tokenizer or chat template differs from the policy'
 user turn is recovered from the policy's prompt text, the RM's chat template renders it with the decoded completion,
 and the RM's tokenizer tokenises that (docs/rm.md).
 """
+import math
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
+from common import dist as D
 from common.attention import attn_kwargs
 from common.models import load_tokenizer
 from common.packing import MicroBatch, pack, plan_microbatches
+from common.rewards import RunningNorm
+from common.tracking import timed
 
 SENTINEL = "\x00RM-USER-TURN\x00"  # stands for the user's text when a chat template is rendered to find its frame
 
@@ -195,3 +201,66 @@ class RewardScorer:
         if self.device.type != "cpu":
             self.model.to("cpu")
             torch.cuda.empty_cache()
+
+
+class RolloutRewardModel:
+    """--reward-model in grpo.py / ppo.py: each rank scores its own rollout with a RewardScorer (before the gather),
+    optionally standardises the scores by their running mean and std over all ranks (--reward-norm), and mixes them
+    into the reward: r = rule_coef * (rule reward + format shaping) + reward_model_coef * rm. Collective (every rank
+    calls mix, also one with no samples). Keeps the step's sums for reward/rm_mean, reward/rm_std, reward/rule_mean."""
+
+    def __init__(self, scorer: RewardScorer, rule_coef: float, rm_coef: float, norm: bool):
+        self.scorer, self.rule_coef, self.rm_coef = scorer, rule_coef, rm_coef
+        self.norm = RunningNorm() if norm else None
+        self.sums = torch.zeros(4, dtype=torch.float64)  # n, sum rm, sum rm^2, sum rule (since the last metrics())
+
+    def mix(self, part, prompt_texts: list[str], texts: list[str], perf: dict) -> None:
+        """part.rewards (this rank's rule rewards, (B_rank,)) becomes the mixed reward."""
+        with timed(perf, "rm_score"):
+            rm = self.scorer.score(part.prompt_ids, part.response_ids, prompt_texts, texts).double()  # (B_rank,)
+        rule = part.rewards.double()
+        step = D.all_reduce(torch.stack([torch.tensor(float(len(rm)), dtype=torch.float64), rm.sum(),
+                                         (rm ** 2).sum(), rule.sum()]))  # over all ranks
+        self.sums += step
+        if self.norm is not None:  # Chan's update from the batch's moments, the same on every rank
+            n, mean = int(step[0]), float(step[1]) / max(1.0, float(step[0]))
+            self.norm.update(n, mean, max(0.0, float(step[2]) - n * mean ** 2))
+            rm = self.norm.normalize(rm)
+        part.rewards = (self.rule_coef * rule + self.rm_coef * rm).float()
+
+    def metrics(self) -> dict:
+        """reward/rm_mean, reward/rm_std (the raw scores, before --reward-norm) and reward/rule_mean since the last
+        call, over all ranks; then starts a new count."""
+        n, s, sq, rule = self.sums.tolist()
+        self.sums.zero_()
+        mean = s / max(1.0, n)
+        return {"reward/rm_mean": mean, "reward/rm_std": math.sqrt(max(0.0, sq / max(1.0, n) - mean ** 2)),
+                "reward/rule_mean": rule / max(1.0, n)}
+
+    def state_dict(self) -> dict:
+        return {"norm": self.norm.state_dict() if self.norm is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.norm is not None and state.get("norm"):
+            self.norm.load_state_dict(state["norm"])
+
+
+def rollout_reward_model(args, tok, d) -> RolloutRewardModel | None:
+    """grpo.py / ppo.py `args`' --reward-model (None without one), whole on every rank of `d`, offloaded between
+    steps. Rank 0 converts a GGUF first (common.rl_setup.resolve_model_once)."""
+    from common.rl_setup import resolve_model_once
+    if not args.reward_model:
+        if args.rule_coef != 1.0 or args.reward_norm:
+            raise ValueError("--rule-coef and --reward-norm weigh and normalise a --reward-model's score: pass "
+                             "--reward-model, or drop them")
+        return None
+    if not (args.rule_coef >= 0 and args.reward_model_coef >= 0):
+        raise ValueError(f"--rule-coef {args.rule_coef} and --reward-model-coef {args.reward_model_coef}: must be >= 0")
+    path = resolve_model_once(args.reward_model, d.is_main)
+    scorer = RewardScorer(path, tok, d.device, args.forward_token_budget, attn_impl="sdpa")
+    if d.is_main:
+        print(f"reward model {args.reward_model}: {type(scorer.model.lm).__name__}, "
+              f"{'re-tokenised text (its tokenizer differs from the policy)' if scorer.retokenize else 'policy ids'}; "
+              f"r = {args.rule_coef:g} x rule + {args.reward_model_coef:g} x rm"
+              f"{' (running-normalised)' if args.reward_norm else ''}", flush=True)
+    return RolloutRewardModel(scorer, args.rule_coef, args.reward_model_coef, args.reward_norm)

@@ -159,3 +159,30 @@ def test_scorer_folder_without_tokenizer(tmp_path, rm_dir, tokenizer):
         (path / name).write_bytes((rm_dir / name).read_bytes())
     with pytest.raises(ValueError, match="no tokenizer"):
         RewardScorer(str(path), tokenizer, torch.device("cpu"), budget=64)
+
+
+def test_rollout_mix_weights_normalises_and_logs(rm_dir, tokenizer):
+    from types import SimpleNamespace
+
+    from common.reward_model import RolloutRewardModel
+    scorer = RewardScorer(str(rm_dir), tokenizer, torch.device("cpu"), budget=64)
+    prompts, responses = [[1, 2, 3], [4, 5], [6], [7, 8]], [[10, 11], [12], [13, 14, 15, 16], [17]]
+    rm = scorer.score(prompts, responses, [""] * 4, [""] * 4).double()
+    rule = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    part = SimpleNamespace(prompt_ids=prompts, response_ids=responses, rewards=rule.clone())
+    mixer = RolloutRewardModel(scorer, rule_coef=0.5, rm_coef=2.0, norm=False)
+    perf = {}
+    mixer.mix(part, [""] * 4, [""] * 4, perf)
+    torch.testing.assert_close(part.rewards, (0.5 * rule + 2.0 * rm).float())
+    m = mixer.metrics()
+    assert m["reward/rm_mean"] == pytest.approx(float(rm.mean())) and m["reward/rule_mean"] == pytest.approx(0.5)
+    assert m["reward/rm_std"] == pytest.approx(float(rm.std(unbiased=False))) and perf["rm_score_s"] > 0
+    normed = RolloutRewardModel(scorer, rule_coef=0.0, rm_coef=1.0, norm=True)
+    for half in (slice(0, 2), slice(2, 4)):  # two steps: the second is standardised by the stats of all four
+        part = SimpleNamespace(prompt_ids=prompts[half], response_ids=responses[half], rewards=rule[half].clone())
+        normed.mix(part, [""] * 2, [""] * 2, {})
+    torch.testing.assert_close(part.rewards.double(), (rm[2:] - rm.mean()) / (rm.std(unbiased=False) + 1e-6),
+                               atol=1e-5, rtol=1e-5)  # the mixed reward is float32
+    again = RolloutRewardModel(scorer, 0.0, 1.0, norm=True)
+    again.load_state_dict(json.loads(json.dumps(normed.state_dict())))  # as extra.json keeps it
+    assert again.norm.state_dict() == normed.norm.state_dict() and again.norm.n == 4

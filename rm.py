@@ -191,8 +191,7 @@ def main(args: Args) -> None:
     if args.eval_split and os.path.isfile(os.path.expanduser(args.dataset)):
         raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
                          "leave it unset to hold out --eval-fraction")
-    run_dir = Path(args.out_dir) / args.exp_name
-    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
+    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite)  # one run at a time
 
     # ---- model, data and optimiser -------------------------------------------------------------------------
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF once
@@ -207,7 +206,7 @@ def main(args: Args) -> None:
     eval_ids = list(range(len(train), len(pairs)))
     lengths = [p.num_tokens for p in pairs]
     steps_per_epoch = len(train) // args.pairs_per_step
-    num_steps = args.num_steps or args.num_epochs * steps_per_epoch
+    num_steps = args.num_steps = args.num_steps or args.num_epochs * steps_per_epoch  # 0: --num-epochs, resolved
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=args.adam_betas,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -223,7 +222,7 @@ def main(args: Args) -> None:
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "model_path": model_path, "train_pairs": len(train),
                               "train_pairs_dropped": dropped, "eval_pairs": len(evals),
-                              "eval_pairs_dropped": eval_dropped, "num_steps_resolved": num_steps,
+                              "eval_pairs_dropped": eval_dropped,
                               "resumed_from": str(resume_from or "")}
     tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
                            resume_step=start if resume_from else None)
@@ -293,11 +292,9 @@ def main(args: Args) -> None:
         # ---- 5. evaluate, 6. checkpoint -----------------------------------------------------------------------
         if evaluating and (step + 1) % args.eval_every == 0 and step + 1 < num_steps:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
-        data = {"epoch": epoch, "position": position}
-        if checkpoint_step(stop, ckpt_root, step + 1, state, {"step": step + 1, "data": data}, num_steps,
-                           args.save_every, args.keep_last, d.rank):
-            stopping = True  # a signal on any rank: checkpointed, now leave
-            break
+        if stopping := checkpoint_step(stop, ckpt_root, step + 1, state,
+                                       {"data": {"epoch": epoch, "position": position}}, args, d.rank):
+            break  # a signal on any rank: checkpointed (resumes exactly here), now leave
 
     if evaluating and not stopping:
         evaluate_and_log(num_steps)  # the final evaluation, on the final weights

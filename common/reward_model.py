@@ -237,12 +237,10 @@ class RolloutRewardModel:
         return {"reward/rm_mean": mean, "reward/rm_std": math.sqrt(max(0.0, sq / max(1.0, n) - mean ** 2)),
                 "reward/rule_mean": rule / max(1.0, n)}
 
-    def state_dict(self) -> dict:
-        return {"norm": self.norm.state_dict() if self.norm is not None else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.norm is not None and state.get("norm"):
-            self.norm.load_state_dict(state["norm"])
+    def state(self) -> dict:
+        """What goes into the scripts' checkpoint `state` (a RunningNorm with --reward-norm; the RM itself is
+        frozen and reloaded from --reward-model)."""
+        return {"reward_norm": self.norm} if self.norm is not None else {}
 
 
 def rollout_reward_model(args, tok, d) -> RolloutRewardModel | None:

@@ -183,6 +183,4 @@ def test_rollout_mix_weights_normalises_and_logs(rm_dir, tokenizer):
         normed.mix(part, [""] * 2, [""] * 2, {})
     torch.testing.assert_close(part.rewards.double(), (rm[2:] - rm.mean()) / (rm.std(unbiased=False) + 1e-6),
                                atol=1e-5, rtol=1e-5)  # the mixed reward is float32
-    again = RolloutRewardModel(scorer, 0.0, 1.0, norm=True)
-    again.load_state_dict(json.loads(json.dumps(normed.state_dict())))  # as extra.json keeps it
-    assert again.norm.state_dict() == normed.norm.state_dict() and again.norm.n == 4
+    assert normed.state()["reward_norm"].n == 4 and mixer.state() == {}  # the checkpoint's part

@@ -109,6 +109,22 @@ def test_rm_two_ranks_export_scores_as_trained(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_rm_resume_continues_exactly(tmp_path, tiny_model_dir):
+    """A run resumed from its step-1 checkpoint logs the uninterrupted run's step 1 (model, optimiser, LR schedule,
+    data position)."""
+    common = ["--model", str(tiny_model_dir), "--num-steps", "2", "--eval-every", "0", "--pairs-per-step", "4",
+              "--lr", "1e-3", "--lr-schedule", "cosine", "--out-dir", str(tmp_path)]
+    torchrun("rm.py", *common, "--exp-name", "a", "--save-every", "1", nproc=1)
+    torchrun("rm.py", *common, "--exp-name", "b", "--resume", str(tmp_path / "a" / "checkpoints" / "step_000001"),
+             nproc=1)
+    a, b = merged_rows(tmp_path / "a"), merged_rows(tmp_path / "b")
+    assert [r["step"] for r in b] == [1]
+    for k in ("train/loss", "train/chosen_reward", "train/rejected_reward", "train/lr", "train/grad_norm"):
+        assert b[0][k] == pytest.approx(a[1][k], rel=1e-6, abs=1e-7), k
+    assert a[1]["train/loss"] != pytest.approx(a[0]["train/loss"], rel=1e-3)  # the two steps differ
+
+
+@pytest.mark.slow
 def test_rm_smollm2_learns_harmless_pairs(tmp_path):
     """The default model on the shipped pairs (data/hh-rlhf-harmless): held-out accuracy above chance."""
     out = tmp_path / "out"

@@ -164,7 +164,9 @@ class RewardScorer:
         self.retokenize = not same_tokenizer(policy_tok, self.tok)
         clf = load_reward_model(path, attn_impl)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.model = LastTokenReward(clf.to(dtype))
+        for p in clf.parameters():  # parameters only: buffers such as RoPE's inv_freq stay float32 (as in shard())
+            p.data = p.data.to(dtype)
+        self.model = LastTokenReward(clf)
         self.offload()
 
     def sequences(self, prompt_ids, response_ids, prompt_texts, completions) -> list[list[int]]:
@@ -255,7 +257,7 @@ def rollout_reward_model(args, tok, d) -> RolloutRewardModel | None:
     if not (args.rule_coef >= 0 and args.reward_model_coef >= 0):
         raise ValueError(f"--rule-coef {args.rule_coef} and --reward-model-coef {args.reward_model_coef}: must be >= 0")
     path = resolve_model_once(args.reward_model, d.is_main)
-    scorer = RewardScorer(path, tok, d.device, args.forward_token_budget, attn_impl="sdpa")
+    scorer = RewardScorer(path, tok, d.device, args.forward_token_budget, attn_impl=args.attn_impl)
     if d.is_main:
         print(f"reward model {args.reward_model}: {type(scorer.model.lm).__name__}, "
               f"{'re-tokenised text (its tokenizer differs from the policy)' if scorer.retokenize else 'policy ids'}; "

@@ -3,10 +3,14 @@
 SmolLM2 on the shipped HH-RLHF harmless pairs whose held-out accuracy rises above chance (slow)."""
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common.packing import shard_microbatches
@@ -15,6 +19,7 @@ from common.reward_model import LastTokenReward, init_reward_model
 from conftest import torchrun
 from rm import Args, bradley_terry_loss, pair_losses, pair_stats, stats_metrics
 
+ROOT = Path(__file__).resolve().parent.parent
 t = lambda *x: torch.tensor(x, dtype=torch.float64)
 
 
@@ -114,7 +119,7 @@ def test_rm_resume_continues_exactly(tmp_path, tiny_model_dir):
     data position)."""
     common = ["--model", str(tiny_model_dir), "--num-steps", "2", "--eval-every", "0", "--pairs-per-step", "4",
               "--lr", "1e-3", "--lr-schedule", "cosine", "--out-dir", str(tmp_path)]
-    torchrun("rm.py", *common, "--exp-name", "a", "--save-every", "1", nproc=1)
+    torchrun("rm.py", *common, "--exp-name", "a", "--save-every", "1", "--export-hf", str(tmp_path / "hf"), nproc=1)
     torchrun("rm.py", *common, "--exp-name", "b", "--resume", str(tmp_path / "a" / "checkpoints" / "step_000001"),
              nproc=1)
     a, b = merged_rows(tmp_path / "a"), merged_rows(tmp_path / "b")
@@ -122,6 +127,17 @@ def test_rm_resume_continues_exactly(tmp_path, tiny_model_dir):
     for k in ("train/loss", "train/chosen_reward", "train/rejected_reward", "train/lr", "train/grad_norm"):
         assert b[0][k] == pytest.approx(a[1][k], rel=1e-6, abs=1e-7), k
     assert a[1]["train/loss"] != pytest.approx(a[0]["train/loss"], rel=1e-3)  # the two steps differ
+    # tools/export.py writes the same reward model from the final checkpoint (--key rm)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    subprocess.run([sys.executable, "-m", "tools.export", "--checkpoint", str(tmp_path / "a" / "checkpoints" /
+                    "step_000002"), "--model", str(tiny_model_dir), "--out", str(tmp_path / "tool"), "--key", "rm"],
+                   cwd=ROOT, env=env | {"PYTHONPATH": str(ROOT)}, check=True, capture_output=True, timeout=300)
+    want, got = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "tool"))
+    assert sorted(got) == sorted(want) and "score.weight" in got
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    assert json.loads((tmp_path / "tool" / "config.json").read_text())["architectures"] == \
+        ["Qwen2ForSequenceClassification"]
 
 
 @pytest.mark.slow

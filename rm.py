@@ -96,8 +96,8 @@ class Args(RunArgs):  # and the run flags of common/args.py
     # ---- algorithm ---------------------------------------------------------------------------------------
     center_coef: float = 0.0
     """weight of the reward-centering term (r_c + r_r)^2 (Eisenstein et al. 2023; TRL uses 0.01); 0: plain BT"""
-    lr: float = 2e-5
-    """AdamW learning rate (CPU default for the 135M model's 30 steps)"""
+    lr: float = 5e-5
+    """AdamW learning rate (CPU default for the 135M model's 30 steps; docs/rm.md)"""
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     """after warm-up: constant, or cosine decay to 10% over the run"""
     warmup_steps: int = 0

@@ -159,3 +159,18 @@ def test_rm_smollm2_fits_harmless_pairs(tmp_path):
     assert last["step"] == 10 and first["step"] == 0
     assert last["eval/accuracy"] >= 0.9, (first["eval/accuracy"], last["eval/accuracy"])
     assert last["eval/loss"] < first["eval/loss"] - 0.2, (first["eval/loss"], last["eval/loss"])
+
+
+@pytest.mark.slow
+def test_rm_smollm2_learns_harmless_pairs(tmp_path):
+    """The default model on the shipped pairs (data/hh-rlhf-harmless), a quarter held out (121 pairs): held-out
+    accuracy above chance after 30 steps of 8 pairs (measured: 0.537 -> 0.603, loss 0.705 -> 0.662; ~18 min on 2
+    shared CPU cores). The run is seeded, so these are regression bounds for this seed, not a distribution."""
+    out = tmp_path / "out"
+    torchrun("rm.py", "--num-steps", "30", "--eval-every", "30", "--eval-fraction", "0.25", "--out-dir", str(out),
+             nproc=1, timeout=3600)
+    rows = merged_rows(out / "rm")
+    first, last = rows[0], rows[-1]
+    assert last["step"] == 30 and "eval/accuracy" in first
+    assert last["eval/accuracy"] >= 0.58, (first["eval/accuracy"], last["eval/accuracy"])
+    assert last["eval/accuracy"] > first["eval/accuracy"] and last["eval/loss"] < first["eval/loss"] - 0.02

@@ -24,7 +24,7 @@ Deviations from the papers (each documented in docs/rm.md):
   3. The prompt is computed twice (once per response) rather than shared through a custom attention mask.
 
 Launch:
-  CPU:     python rm.py --num-steps 30 --export-hf runs_out/rm_hf          (data/hh-rlhf-harmless, SmolLM2-135M)
+  CPU:     python rm.py --export-hf runs_out/rm_hf          (30 steps on data/hh-rlhf-harmless, SmolLM2-135M)
   1 GPU:   torchrun --nproc_per_node=1 rm.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset Anthropic/hh-rlhf \\
                --dataset-config harmless-base --eval-split test --pairs-per-step 64 --lr 5e-6 --num-steps 0
   8 GPUs:  torchrun --nproc_per_node=8 rm.py --model Qwen/Qwen2.5-7B-Instruct --dataset Anthropic/hh-rlhf \\

@@ -164,7 +164,7 @@ def test_rm_smollm2_fits_harmless_pairs(tmp_path):
 @pytest.mark.slow
 def test_rm_smollm2_learns_harmless_pairs(tmp_path):
     """The default model on the shipped pairs (data/hh-rlhf-harmless), a quarter held out (121 pairs): held-out
-    accuracy above chance after 30 steps of 8 pairs (measured: 0.537 -> 0.603, loss 0.705 -> 0.662; ~18 min on 2
+    accuracy above chance after 30 steps of 8 pairs (measured: 0.537 -> 0.603, loss 0.705 -> 0.662; 10-18 min on 2
     shared CPU cores). The run is seeded, so these are regression bounds for this seed, not a distribution."""
     out = tmp_path / "out"
     torchrun("rm.py", "--num-steps", "30", "--eval-every", "30", "--eval-fraction", "0.25", "--out-dir", str(out),

@@ -59,7 +59,6 @@ from common import checkpoint as C
 from common import dist as D
 from common import lora
 from common.args import LoraArgs, RunArgs, cli
-from common.data import load_rows
 from common.determinism import set_deterministic
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
@@ -67,7 +66,7 @@ from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
 from common.passes import microbatch_rows
-from common.preference import (build_pairs, cache_key, cached_reference_logprobs, holdout_split, pack_pairs,
+from common.preference import (cache_key, cached_reference_logprobs, load_pair_splits, pack_pairs,
                                reference_cache_spec, reference_logprobs, response_logp_sums)
 from common.progress import note, show_phase
 from common.rl_setup import resolve_model_once
@@ -286,21 +285,7 @@ def main(args: Args) -> None:
     ref_model = load_ref() if args.uses_reference and not args.ref_cache else None
 
     # ---- data ---------------------------------------------------------------------------------------------
-    def pairs_of(rows, split):
-        reasons = {}
-        out = build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field,
-                          source=f"--dataset {args.dataset} ({split})", reasons=reasons)
-        if d.is_main and reasons["identical"]:  # no preference to learn
-            print(f"{split}: dropped {reasons['identical']} pairs whose chosen equals their rejected", flush=True)
-        return out
-    rows = load_rows(args.dataset, args.train_split, args.dataset_config)
-    if args.eval_split:
-        eval_rows = load_rows(args.dataset, args.eval_split, args.dataset_config)
-    else:
-        rows, eval_rows = holdout_split(rows, args.eval_fraction, args.seed)
-    train, dropped = pairs_of(rows, args.train_split)
-    evals, eval_dropped = pairs_of(eval_rows[:args.eval_size] if args.eval_size else eval_rows,
-                                   args.eval_split or "held out")
+    train, evals, dropped, eval_dropped = load_pair_splits(args, tok, d.is_main)
     if args.pairs_per_step > len(train):
         raise ValueError(f"--pairs-per-step {args.pairs_per_step} is more than the {len(train)} train pairs "
                          f"({dropped} dropped as longer than --max-length {args.max_length}); lower it")

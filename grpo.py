@@ -54,7 +54,8 @@ from common.nan_guard import NanGuard
 from common.passes import microbatches, minibatch_order, rollout_logprobs, sequence_logprobs
 from common.perf import perf_metrics
 from common.progress import show_phase
-from common.rewards import load_reward_fn
+from common.reward_model import rollout_reward_model
+from common.rewards import load_reward_fn, with_workers
 from common.rl_setup import (check_geometry, load_policy, load_prompt_splits, resolve_model_once, resume_run,
                              rollout_engine, start_tracking)
 from common.rollout import (RolloutBatch, gather_rollout, generate, log_step, merge_rollouts, rollout_metrics,
@@ -372,10 +373,11 @@ def main(args: Args) -> None:
     # ---- data and rollout engine ----------------------------------------------------------------------------
     train, dropped, evals = load_prompt_splits(args, tok, d.rank, d.world_size)
     sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
-    reward_fn = load_reward_fn(args.reward_fn)
+    reward_fn = with_workers(load_reward_fn(args.reward_fn), args.reward_workers)  # --reward-workers: a pool
+    rm = rollout_reward_model(args, tok, d)  # --reward-model: whole on each rank, on the GPU only to score
     engine, sampling, env = rollout_engine(args, rollout_kind, model_path, args.seed, d.device, tok, stop_ids)
 
-    state = {"policy": (policy, optimizer), "scheduler": scheduler}
+    state = {"policy": (policy, optimizer), "scheduler": scheduler} | (rm.state() if rm else {})  # + RM norm
     # resume: model, optimiser, LR schedule, kl_coef (beta, the adaptive controller's state), RNG, data position
     start, resume_from, kl_coef = resume_run(args.resume, ckpt_root, state, sampler, args.kl_coef)
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
@@ -416,6 +418,8 @@ def main(args: Args) -> None:
                 engine.sleep()  # hand the memory to training
             part, texts, prompt_texts, answers = score_rollout(rollout, examples, reward_fn, tok, args.reward_timeout,
                                                                args.format_coef, width, perf)  # (B_rank,) task+format
+            if rm:  # r = rule_coef * (task + format) + reward_model_coef * RM score (running-normalised: --reward-norm)
+                rm.mix(part, prompt_texts, texts, perf)
             part.rewards += overlong_reward(part.truncated, part.response_len, args)  # flat, or DAPO's soft one
             if ref_early:  # a whole reference per rank: score this rank's rollout now, while slower ranks generate
                 with timed(perf, "ref_logp"):  # every sequence of the rank, also those dynamic sampling drops later
@@ -480,7 +484,7 @@ def main(args: Args) -> None:
         stats = {k: D.all_reduce(v, op="max" if k == "gap_max" else "sum") for k, v in stats.items()}
         ntok = float(stats["tokens"].clamp(min=1))
         kl_sum = float(kl_tok.sum()) * args.num_epochs if args.kl_in_reward else float(stats["kl"])  # like tokens
-        metrics = rollout_metrics(batch) | {
+        metrics = rollout_metrics(batch) | (rm.metrics() if rm else {}) | {  # reward/rm_mean, rm_std, rule_mean
             "rollout/groups_dropped": (B - len(rows)) // G, "rollout/sequences_trained": len(rows),
             "rollout/sampling_rounds": len(parts),
             "train/loss": float(stats["pg_loss"]) / ntok,

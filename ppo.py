@@ -63,7 +63,8 @@ from common.nan_guard import NanGuard
 from common.passes import microbatches, minibatch_order, rollout_logprobs, sequence_logprobs, sequence_values
 from common.perf import perf_metrics
 from common.progress import show_phase
-from common.rewards import load_reward_fn
+from common.reward_model import rollout_reward_model
+from common.rewards import load_reward_fn, with_workers
 from common.rl_setup import (check_geometry, load_policy, load_prompt_splits, resolve_model_once, resume_run,
                              rollout_engine, start_tracking)
 from common.rollout import RolloutBatch, gather_rollout, generate, log_step, rollout_metrics, score_rollout, sync_engine
@@ -393,11 +394,12 @@ def main(args: Args) -> None:
     # ---- data and rollout engine ----------------------------------------------------------------------------
     train, dropped, evals = load_prompt_splits(args, tok, d.rank, d.world_size)
     sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
-    reward_fn = load_reward_fn(args.reward_fn)
+    reward_fn = with_workers(load_reward_fn(args.reward_fn), args.reward_workers)  # --reward-workers: a pool
+    rm = rollout_reward_model(args, tok, d)  # --reward-model: whole on each rank, on the GPU only to score
     engine, sampling, env = rollout_engine(args, rollout_kind, model_path, args.seed, d.device, tok, stop_ids)
 
     state = {"policy": (policy, optimizer), "critic": (critic, critic_optimizer), "scheduler": scheduler,
-             "critic_scheduler": critic_scheduler}
+             "critic_scheduler": critic_scheduler} | (rm.state() if rm else {})  # + the RM score's running norm
     # resume: models, optimisers, LR schedules, kl_coef (beta, the adaptive controller's state), RNG, data position
     start, resume_from, kl_coef = resume_run(args.resume, ckpt_root, state, sampler, args.kl_coef)
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
@@ -435,6 +437,8 @@ def main(args: Args) -> None:
         # ---- 2. score: the task reward (+ format reward) on each rank, then every rank gathers the whole rollout
         part, texts, prompt_texts, answers = score_rollout(rollout, examples, reward_fn, tok, args.reward_timeout,
                                                            args.format_coef, width, perf)  # (B_rank,) each
+        if rm:  # r = rule_coef * (task + format) + reward_model_coef * RM score (running-normalised: --reward-norm)
+            rm.mix(part, prompt_texts, texts, perf)
         if ref_early:  # a whole reference per rank: score this rank's rollout now, while slower ranks still generate
             with timed(perf, "ref_logp"):
                 part.ref_logp = rollout_logprobs(ref, part.prompt_ids, part.response_ids, args.forward_token_budget,
@@ -501,7 +505,7 @@ def main(args: Args) -> None:
         ntok = float(stats["tokens"].clamp(min=1))
         steps_done = len(grad_norms) if train_policy else 0
         policy_loss, value_loss = float(stats["pg_loss"]) / ntok, float(stats["vf_loss"]) / ntok
-        metrics = rollout_metrics(batch) | {
+        metrics = rollout_metrics(batch) | (rm.metrics() if rm else {}) | {  # reward/rm_mean, rm_std, rule_mean
             "rollout/sequences_trained": B,
             "train/loss": policy_loss + args.vf_coef * value_loss,
             "train/policy_loss": policy_loss, "train/value_loss": value_loss,

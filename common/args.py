@@ -104,6 +104,19 @@ class RLArgs(RunArgs):
     max_episode_tokens: int = 0
     """--env: tokens per episode after the prompt, model and environment together (0: max_turns x max_new_tokens);
     --max-new-tokens caps each model turn"""
+    reward_workers: int = 0
+    """score a per-sample --reward-fn in this many worker processes, each sample with its own timeout (0: on the
+    main thread; a @batched function gets the whole batch instead); docs/rm.md"""
+    reward_model: str | None = None
+    """a reward model scoring prompt + completion: rm.py's --export-hf folder, an HF *ForSequenceClassification
+    (num_labels=1) id or folder, or a GGUF like --model; docs/rm.md"""
+    reward_model_coef: float = 1.0
+    """weight of the reward model's score in the reward"""
+    rule_coef: float = 1.0
+    """weight of the rule reward (--reward-fn plus --format-coef shaping) when there is a --reward-model (0: the RM
+    alone)"""
+    reward_norm: bool = False
+    """standardise the reward model's score by its running mean and std over all steps (kept in the checkpoint)"""
     # ---- sampling ------------------------------------------------------------------------------------------
     temperature: float = 1.0
     """sampling temperature; the trainer's log-probs use the same temperature"""

@@ -392,7 +392,8 @@ def load_for_export(checkpoint: Path, model_path: str, key: str = "policy") -> n
     """A single-process model built from `model_path`'s config with the weights of `key` in a DCP checkpoint
     (sharded by any number of ranks; DCP reads it without a process group). A causal LM for a policy; for a critic
     (ppo.py's ValueModel: `backbone.*` plus a scalar `head`) an AutoModelForSequenceClassification with
-    num_labels=1 whose `score` is the value head (its bias in config.value_head_bias, see docs/checkpoints.md)."""
+    num_labels=1 whose `score` is the value head (its bias in config.value_head_bias, see docs/checkpoints.md); for a
+    reward model (rm.py's `lm.score`, key "rm") the AutoModelForSequenceClassification it trained."""
     from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -412,7 +413,8 @@ def load_for_export(checkpoint: Path, model_path: str, key: str = "policy") -> n
         names = sorted({k.split(".")[0] for k in saved})
         raise CheckpointError(f"{checkpoint} has no model under '{key}'; it holds {names}: pass --key <one of them>")
     value = f"{head}head.weight" in saved  # ppo.py's ValueModel: backbone + a (1, H) head
-    if value:
+    reward = any(k.endswith("lm.score.weight") for k in saved_keys)  # rm.py: a *ForSequenceClassification at lm.
+    if value or reward:
         config.num_labels = 1
         if config.pad_token_id is None:  # sequence classification pools at the last non-pad token
             config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
@@ -420,7 +422,7 @@ def load_for_export(checkpoint: Path, model_path: str, key: str = "policy") -> n
         model.config.architectures = [type(model).__name__]
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    body = model.base_model if value else model
+    body = model.base_model if value else model  # rm.py's: the whole model, its score head included
     # The trained module may wrap the HF model (TokenLogProbs keeps it at "lm.", ValueModel its backbone at
     # "backbone."): find the prefix from one name.
     probe = next(iter(body.state_dict()))

@@ -128,6 +128,31 @@ def build_pairs(rows: list[dict], tok, max_length: int, prompt_field: str = "pro
     return pairs, len(rows) - len(pairs)
 
 
+def load_pair_splits(args, tok, is_main: bool) -> tuple[list[Pair], list[Pair], int, int]:
+    """(train pairs, held-out pairs, train dropped, held-out dropped) for dpo.py / rm.py `args` (their --dataset,
+    splits, fields, --max-length, --eval-fraction, --eval-size, --seed flags): --eval-split, or a seeded
+    --eval-fraction of the train split held out. Rank 0 prints how many pairs had chosen == rejected."""
+    from common.data import load_rows
+
+    def pairs_of(rows, split):
+        reasons = {}
+        out = build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field,
+                          source=f"--dataset {args.dataset} ({split})", reasons=reasons)
+        if is_main and reasons["identical"]:
+            print(f"{split}: dropped {reasons['identical']} pairs whose chosen equals their rejected response "
+                  f"(no preference to learn)", flush=True)
+        return out
+    rows = load_rows(args.dataset, args.train_split, args.dataset_config)
+    if args.eval_split:
+        eval_rows = load_rows(args.dataset, args.eval_split, args.dataset_config)
+    else:
+        rows, eval_rows = holdout_split(rows, args.eval_fraction, args.seed)
+    train, dropped = pairs_of(rows, args.train_split)
+    evals, eval_dropped = pairs_of(eval_rows[:args.eval_size] if args.eval_size else eval_rows,
+                                   args.eval_split or "held out")
+    return train, evals, dropped, eval_dropped
+
+
 def holdout_split(rows: list, fraction: float, seed: int) -> tuple[list, list]:
     """Seeded (train, held-out) split of one list, for datasets without an eval split."""
     order = list(range(len(rows)))

@@ -12,6 +12,19 @@ ending in '#### <number>'). Return a finite number. Pass your own with `--reward
 
 score() calls the function once per sample with error accounting and an optional per-call timeout;
 see its docstring for the policy.
+
+Two ways to score a batch faster (docs/rm.md):
+  - a batched function, marked with @batched (the attribute `fn.batched = True`):
+
+        @batched
+        def fn(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]: ...
+
+    called once per batch (one value per sample, in order); its time limit is timeout x the batch size.
+  - a process pool for per-sample functions: with_workers(fn, n) (--reward-workers n) scores the samples in n
+    worker processes, each sample with its own timeout (SIGALRM in the worker's main thread) and its own error
+    accounting, exactly as score() does serially. The function must be importable by name (a module-level def).
+
+RunningNorm: running mean/std of rewards (--reward-norm), with state_dict() for the checkpoint.
 """
 
 from __future__ import annotations
@@ -19,13 +32,16 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import multiprocessing
 import numbers
 import os
+import pickle
 import re
 import signal
 import sys
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
@@ -211,6 +227,87 @@ def _call_with_timeout(fn: RewardFn, args: tuple, timeout_s: float | None):
             signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - t0), 1e-3), old_interval)
 
 
+def batched(fn):
+    """Mark fn(prompts, completions, answers) -> list[float] as a batched reward function (score() calls it once per
+    batch); usable as a decorator on a custom --reward-fn."""
+    fn.batched = True
+    return fn
+
+
+class PooledReward:
+    """A per-sample reward function scored in a pool of worker processes (--reward-workers N): score() hands it the
+    batch and each worker checks and times out its samples as score() would. Calling it scores one sample here."""
+
+    def __init__(self, fn: RewardFn, workers: int):
+        if getattr(fn, "batched", False):
+            raise ValueError("--reward-workers is for per-sample reward functions; a @batched function gets the "
+                             "whole batch and can parallelise itself: drop --reward-workers")
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            raise ValueError(f"--reward-workers {workers}: the reward function {fn!r} cannot be sent to a worker "
+                             f"process ({type(e).__name__}: {e}); make it a module-level def") from None
+        self.fn, self.workers = fn, workers
+        # forkserver: workers fork from a clean server process, not from the trainer (its threads, CUDA, vLLM)
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
+        self.__qualname__ = getattr(fn, "__qualname__", repr(fn))
+
+    def __call__(self, prompt: str, completion: str, answer: str) -> float:
+        return self.fn(prompt, completion, answer)
+
+    def map(self, prompts, completions, answers, timeout_s):
+        n = len(prompts)
+        chunk = max(1, math.ceil(n / (4 * self.workers)))  # a few chunks per worker: balance without per-sample IPC
+        return list(self.pool.map(_check_one, [self.fn] * n, prompts, completions, answers, [timeout_s] * n,
+                                  chunksize=chunk))
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+
+def with_workers(fn: RewardFn, workers: int) -> RewardFn:
+    """fn itself (workers 0), or fn scored in a pool of `workers` processes (PooledReward)."""
+    if workers < 0:
+        raise ValueError(f"--reward-workers {workers}: must be >= 0 (0: score on the main thread)")
+    return PooledReward(fn, workers) if workers else fn
+
+
+def _check_one(fn: RewardFn, p: str, c: str, a: str, timeout_s: float | None) -> tuple[float, str | None, bool]:
+    """One sample: (reward, None, False), or (0.0, what went wrong, whether it timed out)."""
+    try:
+        return _checked(_call_with_timeout(fn, (p, c, a), timeout_s))
+    except RewardTimeout as e:
+        return 0.0, str(e), True
+    except Exception as e:
+        return 0.0, f"{type(e).__name__}: {e}", False
+
+
+def _checked(r) -> tuple[float, str | None, bool]:
+    if not isinstance(r, numbers.Real):  # bools are fine: True -> 1.0
+        return 0.0, f"returned {type(r).__name__} {_short(r, 60)}, not a number", False
+    if not math.isfinite(r):
+        return 0.0, f"returned non-finite {r}", False
+    return float(r), None, False
+
+
+def _check_batch(fn, prompts, completions, answers, timeout_s) -> list[tuple[float, str | None, bool]]:
+    """A @batched function: one call for the batch (time limit timeout_s x its size); a call that raises or times
+    out fails every sample, a bad value only its own."""
+    n = len(prompts)
+    try:
+        out = _call_with_timeout(fn, (prompts, completions, answers), timeout_s * n if timeout_s else None)
+    except RewardTimeout as e:
+        return [(0.0, f"batched call {e} ({n} samples)", True)] * n
+    except Exception as e:
+        return [(0.0, f"batched call raised {type(e).__name__}: {e}", False)] * n
+    if not hasattr(out, "__len__") or len(out) != n:
+        raise ValueError(f"batched reward fn {getattr(fn, '__qualname__', fn)} returned "
+                         f"{len(out) if hasattr(out, '__len__') else type(out).__name__} values for {n} samples; "
+                         "return one number per sample, in order")
+    return [_checked(r) for r in out]
+
+
 def score(
     fn: RewardFn,
     prompts: list[str],
@@ -218,41 +315,68 @@ def score(
     answers: list[str],
     timeout_s: float | None = None,
 ) -> ScoreResult:
-    """Reward each sample with fn(prompt, completion, answer).
+    """Reward each sample with fn(prompt, completion, answer) (a @batched fn: once for the batch; a PooledReward: in
+    its worker processes).
 
     Policy: a sample whose call raises, returns a non-number or a non-finite number, or runs past
     `timeout_s` seconds scores 0.0 and is counted (n_errors, or n_timeouts). first_error describes
     the first such sample: the error, the sample index, and shortened prompt/completion/answer.
     If EVERY sample of a non-empty batch fails (errors and timeouts together), RuntimeError is raised
     with that message: the reward function is broken, and training on all-zero rewards would waste
-    the run. The timeout uses SIGALRM (signal.setitimer) and so only works on the main thread; off it,
-    calls run without a timeout. The previous SIGALRM handler is restored after each call.
+    the run. The timeout uses SIGALRM (signal.setitimer) and so only works on the main thread (of this process, or
+    of each worker); off it, calls run without a timeout. The previous SIGALRM handler is restored after each call.
     """
     if not len(prompts) == len(completions) == len(answers):
         raise ValueError(f"score: {len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers")
+    if getattr(fn, "batched", False):
+        outcomes = _check_batch(fn, list(prompts), list(completions), list(answers), timeout_s) if prompts else []
+    elif isinstance(fn, PooledReward):
+        outcomes = fn.map(prompts, completions, answers, timeout_s)
+    else:
+        outcomes = [_check_one(fn, p, c, a, timeout_s) for p, c, a in zip(prompts, completions, answers)]
     rewards, n_errors, n_timeouts, first_error = [], 0, 0, None
     name = getattr(fn, "__qualname__", repr(fn))
-    for i, (p, c, a) in enumerate(zip(prompts, completions, answers)):
-        problem, timed_out = None, False
-        try:
-            r = _call_with_timeout(fn, (p, c, a), timeout_s)
-            if not isinstance(r, numbers.Real):  # bools are fine: True -> 1.0
-                problem = f"returned {type(r).__name__} {_short(r, 60)}, not a number"
-            elif not math.isfinite(r):
-                problem = f"returned non-finite {r}"
-        except RewardTimeout as e:
-            problem, timed_out = str(e), True
-        except Exception as e:
-            problem = f"{type(e).__name__}: {e}"
+    for i, ((r, problem, timed_out), p, c, a) in enumerate(zip(outcomes, prompts, completions, answers)):
+        rewards.append(r)
         if problem is None:
-            rewards.append(float(r))
             continue
         n_timeouts += timed_out
         n_errors += not timed_out
-        rewards.append(0.0)
         if first_error is None:
             first_error = (f"reward fn {name} failed on sample {i}: {problem}\n"
                            f"  prompt={_short(p)}\n  completion={_short(c)}\n  answer={_short(a)}")
     if rewards and n_errors + n_timeouts == len(rewards):
         raise RuntimeError(f"every one of the {len(rewards)} samples failed; first: {first_error}")
     return ScoreResult(rewards=rewards, n_errors=n_errors, n_timeouts=n_timeouts, first_error=first_error)
+
+
+class RunningNorm:
+    """Running mean and std of a stream of rewards (--reward-norm): each batch updates the statistics (Chan et al.'s
+    parallel combination of moments), then is normalised, r' = (r - mean) / (std + eps). Every rank passes the same
+    batch moments (all-reduced), so every rank holds the same statistics; state_dict() goes into the checkpoint."""
+
+    def __init__(self, eps: float = 1e-6):
+        self.eps, self.n, self.mean, self.m2 = eps, 0, 0.0, 0.0
+
+    def update(self, n: int, mean: float, m2: float) -> None:
+        """Add a batch of n values with this mean and sum of squared deviations m2."""
+        if n <= 0:
+            return
+        total = self.n + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta ** 2 * self.n * n / total
+        self.n = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.n) if self.n else 1.0
+
+    def normalize(self, x):
+        return (x - self.mean) / (self.std + self.eps)
+
+    def state_dict(self) -> dict:
+        return {"n": self.n, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n, self.mean, self.m2 = int(state["n"]), float(state["mean"]), float(state["m2"])

@@ -25,12 +25,12 @@ def test_same_args_as_flat_tyro(script, monkeypatch):
         assert cli(script.Args) == tyro.cli(script.Args, args=argv)
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "ppo.py", "dpo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py", "dpo.py", "rm.py"])
 def test_help_is_grouped(script):
     out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, check=True).stdout
     groups = [line.split("─")[1].strip() for line in out.splitlines() if line.startswith("╭─")]
     assert "run options" in groups and "fsdp options" in groups
-    if script != "dpo.py":
+    if script not in ("dpo.py", "rm.py"):
         assert groups[1:9] == ["run options", "model-and-data options", "reward options", "algorithm options",
                                "sampling options", "optimiser options", "batch-geometry options", "engine options"]
     for flag in ("--lr ", "--seed ", "--fsdp.unit"):  # flat names kept

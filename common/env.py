@@ -30,12 +30,9 @@ raises or runs past --reward-timeout ends its episode with reward 0, counted lik
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from dataclasses import dataclass
 
-from common.rewards import RewardTimeout, _call_with_timeout, _short
+from common.rewards import RewardTimeout, _call_with_timeout, _short, import_callable
 from common.rollout import Episodes, Rollout
 
 
@@ -70,21 +67,10 @@ def load_env(spec: str):
         return BUILTIN_ENVS[spec]()
     if ":" not in spec:
         raise ValueError(f"--env {spec}: expected one of {sorted(BUILTIN_ENVS)} or 'pkg.module:Name'")
-    module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(f"--env {spec}: cannot import module {module_name!r} ({e}); "
-                             f"run from the folder that holds it or put it on PYTHONPATH") from e
-        raise  # the module exists but one of its own imports failed: show that error as is
-    if not callable(factory := getattr(module, attr, None)):
-        raise ValueError(f"--env {spec}: module {module_name!r} has no class or function {attr!r}")
+    factory = import_callable(spec, "--env", "class or function")
     env = factory()
     if not callable(getattr(env, "step", None)):
-        raise ValueError(f"--env {spec}: {module_name}.{attr}() gave a {type(env).__name__} without a step(ids, "
+        raise ValueError(f"--env {spec}: {spec.replace(':', '.')}() gave a {type(env).__name__} without a step(ids, "
                          f"text, state) method (docs/multiturn.md)")
     return env
 

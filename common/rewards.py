@@ -168,6 +168,12 @@ def load_reward_fn(spec: str) -> RewardFn:
         return _BUILTINS[spec]
     if ":" not in spec:
         raise ValueError(f"--reward-fn {spec}: expected one of {sorted(_BUILTINS)} or 'pkg.module:function'")
+    return import_callable(spec, "--reward-fn", "function")
+
+
+def import_callable(spec: str, flag: str, kind: str):
+    """The callable `attr` of module `pkg.module` for a `flag pkg.module:attr` (a function, or a class for --env); the
+    current folder is put on sys.path. Each failure is a ValueError that names the flag and what to fix."""
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -175,14 +181,14 @@ def load_reward_fn(spec: str) -> RewardFn:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(f"--reward-fn {spec}: cannot import module {module_name!r} ({e}); "
+            raise ValueError(f"{flag} {spec}: cannot import module {module_name!r} ({e}); "
                              f"run from the folder that holds it or put it on PYTHONPATH") from e
         raise  # the module exists but one of its own imports failed: show that error as is
     if not hasattr(module, attr):
-        raise ValueError(f"--reward-fn {spec}: module {module_name!r} has no attribute {attr!r}")
+        raise ValueError(f"{flag} {spec}: module {module_name!r} has no attribute {attr!r} (a {kind})")
     fn = getattr(module, attr)
     if not callable(fn):
-        raise ValueError(f"--reward-fn {spec}: {module_name}.{attr} is a {type(fn).__name__}, not callable")
+        raise ValueError(f"{flag} {spec}: {module_name}.{attr} is a {type(fn).__name__}, not callable (a {kind})")
     return fn
 
 

@@ -56,7 +56,8 @@ def test_load_env():
     assert isinstance(load_env("calculator"), Calculator) and isinstance(load_env("try-again"), TryAgain)
     assert type(load_env("tests.toy_env:Raises")).__name__ == "Raises"
     for spec, msg in (("calc", "expected one of"), ("tests.no_such_module:X", "cannot import"),
-                      ("tests.toy_env:Nope", "no class or function"), ("tests.toy_env:NotAnEnv", "without a step")):
+                      ("tests.toy_env:Nope", r"no attribute 'Nope' \(a class or function\)"),
+                      ("tests.toy_env:NotAnEnv", "without a step")):
         with pytest.raises(ValueError, match=msg):
             load_env(spec)
 

@@ -120,10 +120,10 @@ def check_shared(run_dir: Path, wait_s: float = 10.0) -> None:
         if not seen or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    ranks = D.all_gather_objects((socket.gethostname(), seen))  # [(host, "" or why not)] in rank order
+    ranks = D.all_gather_objects((socket.gethostname(), str(path), seen))  # [(host, path, "" or why not)] by rank
     if D.rank() == 0:
         path.unlink(missing_ok=True)
-    blind = [f"rank {r} on {host}: {path} {why}" for r, (host, why) in enumerate(ranks) if why]
+    blind = [f"rank {r} on {host}: {where} {why}" for r, (host, where, why) in enumerate(ranks) if why]
     if blind:
         raise RunDirError(f"not every rank sees the run folder that rank 0 (on {ranks[0][0]}) wrote: "
                           f"{'; '.join(blind)}. Put --out-dir on a file system every node mounts at the same path "

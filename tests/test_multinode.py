@@ -31,16 +31,20 @@ def clean_env(**extra) -> dict:
             "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", **extra}
 
 
-def launch_nodes(script: str, *args: str, nproc: int, log_dir: Path, env: dict | None = None) -> list[subprocess.Popen]:
-    """Two torchrun launchers as two nodes of `nproc` processes each, meeting at a c10d rendezvous on localhost.
-    Launcher 0 hosts the rendezvous store (on a cluster: the node named in --rdzv_endpoint)."""
+def launch_nodes(script: str, *args: str, nproc: int, log_dir: Path, env: dict | None = None,
+                 rdzv: str = "c10d") -> list[subprocess.Popen]:
+    """Two torchrun launchers as two nodes of `nproc` processes each, meeting at a c10d rendezvous on localhost
+    (launcher 0 hosts its store, as the node named in --rdzv_endpoint does on a cluster), or with rdzv="static" at
+    launcher 0's store with fixed node ranks (runs/slurm_grpo.sbatch's RDZV=static)."""
     from common.dist import _free_port
     port = _free_port()
     procs = []
     for node in (0, 1):
+        meet = (["--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", "two-nodes",
+                 "--rdzv_conf", f"is_host={int(node == 0)}"] if rdzv == "c10d" else
+                ["--master_addr", "localhost", "--master_port", str(port)])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", str(nproc),
-               "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}",
-               "--rdzv_id", "two-nodes", "--rdzv_conf", f"is_host={int(node == 0)}", script, *args]
+               "--node_rank", str(node), *meet, script, *args]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**(env or {})), text=True,
                                       stdout=open(log_dir / f"node{node}.log", "w"), stderr=subprocess.STDOUT))
     return procs
@@ -162,31 +166,33 @@ def test_two_nodes_train_as_one_node_with_the_same_world_size(tiny_model_dir, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["killed", "hung"])
-def test_a_lost_node_ends_the_other_with_a_clear_error(tiny_model_dir, tmp_path, how):
-    """Node 1 dies (SIGKILL: its sockets close) or hangs (SIGSTOP: nothing closes, only the collective timeout can
-    tell) mid-run; node 0 exits non-zero soon after, its log saying a collective failed and what to check."""
-    timeout_s = 15
+@pytest.mark.parametrize("how,lost,rdzv", [("killed", 1, "c10d"), ("hung", 1, "c10d"), ("hung", 0, "static")])
+def test_a_lost_node_ends_the_other_with_a_clear_error(tiny_model_dir, tmp_path, how, lost, rdzv):
+    """A node dies (SIGKILL: its sockets close) or hangs (SIGSTOP: nothing closes, only the collective timeout can
+    tell) mid-run; the other exits non-zero soon after, its log saying a collective failed and what to check. The
+    hung node that hosts the rendezvous is tested with the static rendezvous: with c10d the survivor's torchrun
+    waits on the frozen store after its worker failed (docs/multinode.md, failure modes)."""
+    timeout_s, live = 15, 1 - lost
     procs = launch_nodes("grpo.py", "--model", str(tiny_model_dir), *GRPO, "--num-steps", "1000", "--out-dir",
                          str(tmp_path), "--exp-name", "lost", nproc=1, log_dir=tmp_path,
-                         env={TIMEOUT_ENV: str(timeout_s)})
-    rows, deadline = tmp_path / "lost" / "metrics.jsonl", time.monotonic() + 300
+                         env={TIMEOUT_ENV: str(timeout_s)}, rdzv=rdzv)
+    rows, live_log, deadline = tmp_path / "lost" / "metrics.jsonl", tmp_path / f"node{live}.log", time.monotonic() + 300
     try:
         while not (rows.exists() and len(rows.read_text().splitlines()) >= 2):  # both nodes are training
-            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "node0.log").read_text()
+            assert time.monotonic() < deadline and procs[live].poll() is None, live_log.read_text()[-3000:]
             time.sleep(0.5)
         lost_at = time.monotonic()
-        kill_tree(procs[1].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        kill_tree(procs[lost].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         try:
-            code = procs[0].wait(timeout=timeout_s + 90)
+            code = procs[live].wait(timeout=timeout_s + 90)
         except subprocess.TimeoutExpired:
             code = None
         took = time.monotonic() - lost_at
     finally:
         for p in procs:
             kill_tree(p.pid, signal.SIGKILL)
-    log = (tmp_path / "node0.log").read_text()
-    assert code not in (None, 0), f"node 0 did not exit within {timeout_s + 90} s of losing node 1:\n{log[-3000:]}"
+    log = live_log.read_text()
+    assert code not in (None, 0), f"node {live} did not exit within {timeout_s + 90} s of the loss:\n{log[-3000:]}"
     assert "a collective failed: another rank died, hung or lost the network" in log, log[-3000:]
     assert f"{TIMEOUT_ENV}={timeout_s} s" in log
     if how == "hung":  # only the timeout ends it, and not before it passed
@@ -257,8 +263,8 @@ D.cleanup()
 def test_a_rank_that_cannot_see_the_run_folder_is_named(tmp_path):
     (tmp_path / "shared").mkdir()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "--no-python", sys.executable, "-c", SHARED_DRIVER, str(tmp_path)], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                       timeout=300)
+                        "--no-python", sys.executable, "-c", SHARED_DRIVER, str(tmp_path)], cwd=ROOT, env=clean_env(),
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     lines = sorted(line for line in p.stdout.splitlines() if line.startswith("rank "))
     assert len(lines) == 2 and "no error" not in p.stdout, p.stdout

@@ -148,21 +148,24 @@ def metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_two_nodes_train_as_one_node_with_the_same_world_size(tiny_model_dir, tmp_path):
     """grpo.py for 3 steps: two launchers of 1 process (auto: HSDP, 2 x 1) against one launcher of 2 (FSDP, 2): the
-    same rewards, losses and gradient norms (steps 1-2 sample from the weights the earlier steps trained)."""
+    same rewards, losses and gradient norms (steps 1-2 sample from the weights the earlier steps trained). Then one
+    launcher's step-1 checkpoint (1-D shards) resumed on two launchers (2-D mesh) continues as the one launcher did."""
     one = torchrun("grpo.py", "--model", str(tiny_model_dir), *GRPO, "--out-dir", str(tmp_path), "--exp-name", "one",
-                   nproc=2)
-    (logs := tmp_path / "logs").mkdir()
-    node0, _ = wait_all(launch_nodes("grpo.py", "--model", str(tiny_model_dir), *GRPO, "--out-dir", str(tmp_path),
-                                     "--exp-name", "two", nproc=1, log_dir=logs), logs)
+                   "--save-every", "1", "--keep-last", "3", nproc=2)
+    runs = {}
+    for name, extra in (("two", []), ("resumed", ["--resume", str(tmp_path / "one" / "checkpoints" / "step_000001")])):
+        (logs := tmp_path / f"logs_{name}").mkdir()
+        runs[name] = wait_all(launch_nodes("grpo.py", "--model", str(tiny_model_dir), *GRPO, "--out-dir",
+                                           str(tmp_path), "--exp-name", name, *extra, nproc=1, log_dir=logs), logs)
     assert re.search(r"FSDP mesh\s+fsdp 2 \(shard\)", one.stdout)
-    assert re.search(r"FSDP mesh\s+hsdp 2 x 1 \(replicate x shard\)", node0)
-    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "two")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2]
+    assert any(re.search(r"FSDP mesh\s+hsdp 2 x 1 \(replicate x shard\)", log) for log in runs["two"])
+    a, b, c = (metrics(tmp_path / name) for name in ("one", "two", "resumed"))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2] and [r["step"] for r in c] == [1, 2]
     assert a[0]["train/grad_norm"] > 0 and abs(a[0]["train/kl"]) < 1e-6 < a[2]["train/kl"]  # it trained
-    for ra, rb in zip(a, b):
+    for ra, rb in [*zip(a, b), *zip(a[1:], c)]:
         for k in COMPARED:
             assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), (ra["step"], k)
-    assert not list((tmp_path / "two").glob(".shared-fs-check"))  # the start-up check cleans up after itself
+    assert not list(tmp_path.rglob(".shared-fs-check"))  # the start-up check cleans up after itself
 
 
 @pytest.mark.slow

@@ -146,19 +146,23 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_nodes_train_as_one_node_with_the_same_world_size(tiny_model_dir, tmp_path):
-    """grpo.py for 3 steps: two launchers of 1 process (auto: HSDP, 2 x 1) against one launcher of 2 (FSDP, 2): the
-    same rewards, losses and gradient norms (steps 1-2 sample from the weights the earlier steps trained). Then one
-    launcher's step-1 checkpoint (1-D shards) resumed on two launchers (2-D mesh) continues as the one launcher did."""
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_two_nodes_train_as_one_node_with_the_same_world_size(tiny_model_dir, tmp_path, per_node):
+    """grpo.py for 3 steps: two launchers of `per_node` processes (auto: HSDP, 2 x per_node) against one launcher of
+    2 x per_node (FSDP): the same rewards, losses and gradient norms (steps 1-2 sample from the weights the earlier
+    steps trained). Then the one launcher's step-1 checkpoint (1-D shards) resumed on two launchers (2-D mesh)
+    continues as the one launcher did."""
+    world = 2 * per_node
     one = torchrun("grpo.py", "--model", str(tiny_model_dir), *GRPO, "--out-dir", str(tmp_path), "--exp-name", "one",
-                   "--save-every", "1", "--keep-last", "3", nproc=2)
+                   "--save-every", "1", "--keep-last", "3", nproc=world)
     runs = {}
     for name, extra in (("two", []), ("resumed", ["--resume", str(tmp_path / "one" / "checkpoints" / "step_000001")])):
         (logs := tmp_path / f"logs_{name}").mkdir()
         runs[name] = wait_all(launch_nodes("grpo.py", "--model", str(tiny_model_dir), *GRPO, "--out-dir",
-                                           str(tmp_path), "--exp-name", name, *extra, nproc=1, log_dir=logs), logs)
-    assert re.search(r"FSDP mesh\s+fsdp 2 \(shard\)", one.stdout)
-    assert any(re.search(r"FSDP mesh\s+hsdp 2 x 1 \(replicate x shard\)", log) for log in runs["two"])
+                                           str(tmp_path), "--exp-name", name, *extra, nproc=per_node, log_dir=logs),
+                              logs)
+    assert re.search(rf"FSDP mesh\s+fsdp {world} \(shard\)", one.stdout)
+    assert any(re.search(rf"FSDP mesh\s+hsdp 2 x {per_node} \(replicate x shard\)", log) for log in runs["two"])
     a, b, c = (metrics(tmp_path / name) for name in ("one", "two", "resumed"))
     assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2] and [r["step"] for r in c] == [1, 2]
     assert a[0]["train/grad_norm"] > 0 and abs(a[0]["train/kl"]) < 1e-6 < a[2]["train/kl"]  # it trained

@@ -3,6 +3,7 @@ import datetime
 import os
 import random
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,12 +38,32 @@ def _free_port() -> int:
             return s.getsockname()[1]
 
 
-def init_distributed(device: str = "auto", timeout_min: int = 30) -> Dist:
+TIMEOUT_ENV = "RL_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 1800
+
+
+def dist_timeout() -> datetime.timedelta:
+    """How long a collective may wait for a peer before it fails (a dead or hung node gives an error, not a hang):
+    $RL_DIST_TIMEOUT_S seconds, default 30 min. Not shorter by default: at the first start rank 0 alone downloads or
+    converts the model while the other ranks wait in a barrier (common.rl_setup.resolve_model_once)."""
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, a positive number "
+                         f"(default {DEFAULT_TIMEOUT_S})")
+    return datetime.timedelta(seconds=seconds)
+
+
+def init_distributed(device: str = "auto") -> Dist:
     """Initialise the default process group and pick this rank's device.
 
     Under torchrun the env vars are set; as plain `python script.py` we form a group of one, so FSDP2 and
     the collectives in the scripts take the same path either way. device: "auto" (cuda if available),
-    "cuda" or "cpu".
+    "cuda" or "cpu". The device is LOCAL_RANK's GPU (the rank within its node), never the global rank's. Collectives
+    time out after dist_timeout().
     """
     alone = "RANK" not in os.environ  # plain python: a world of one
     if alone:
@@ -60,7 +81,7 @@ def init_distributed(device: str = "auto", timeout_min: int = 30) -> Dist:
     for attempt in range(5):
         if alone:
             os.environ["MASTER_PORT"] = str(_free_port())
-        timeout = datetime.timedelta(minutes=timeout_min)
+        timeout = dist_timeout()
         try:  # nccl: device_id binds the group to this GPU eagerly; vLLM's external launcher needs the group first
             if device == "cuda":
                 dist.init_process_group("nccl", device_id=dev, timeout=timeout)
@@ -70,7 +91,32 @@ def init_distributed(device: str = "auto", timeout_min: int = 30) -> Dist:
         except dist.DistNetworkError:  # a world of one: the probed port was taken (e.g. by another run's connection)
             if not alone or attempt == 4:  # before our store bound it; probe again
                 raise
+    explain_collective_errors(rank)
     return Dist(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def is_collective_error(e: BaseException) -> bool:
+    """An error raised by a collective (gloo's are plain RuntimeErrors naming gloo; NCCL's are DistBackendErrors)."""
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(
+        s in str(e) for s in ("gloo/transport", "ProcessGroupGloo", "NCCL", "ProcessGroupNCCL")))
+
+
+def explain_collective_errors(rank: int) -> None:
+    """After the traceback of an uncaught collective error, say what it usually means and what to check: on several
+    nodes the first error is often on another node, and this rank only saw a peer vanish or time out."""
+    previous = sys.excepthook
+    if getattr(previous, "explains_collectives", False):  # init_distributed ran before in this process
+        return
+
+    def hook(kind, e, tb):
+        previous(kind, e, tb)
+        if is_collective_error(e):
+            print(f"[rank {rank} on {socket.gethostname()}] a collective failed: another rank died, hung or lost the "
+                  f"network (or it did not answer within {TIMEOUT_ENV}={dist_timeout().total_seconds():g} s). Look "
+                  "for the FIRST error in every node's log, then docs/multinode.md (failure modes)",
+                  file=sys.stderr, flush=True)
+    hook.explains_collectives = True
+    sys.excepthook = hook
 
 
 def cpu_block(local_rank: int, local_world: int, cpus: list[int], core_of: dict[int, int] | None = None) -> list[int]:

@@ -1,4 +1,6 @@
-"""FSDP2 (`fully_shard`) wrapping, and streaming full tensors out of the shards (refit, export)."""
+"""FSDP2 (`fully_shard`) wrapping on a 1-D (FSDP) or 2-D (HSDP) device mesh, and streaming full tensors out of the
+shards (refit, export)."""
+import os
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
@@ -40,6 +42,15 @@ class FSDPArgs:
     """torch.compile each decoder layer's forward (fuses the norms, RoPE, SwiGLU and residual adds around the
     matmuls; backward too). auto: on for CUDA, off on CPU (compiling costs more than it saves on small CPU runs).
     The first step pays the compilation (tens of seconds)"""
+    mesh: Literal["auto", "fsdp", "hsdp"] = "auto"
+    """how the ranks hold the parameters. fsdp: a 1-D mesh, each rank 1/world of every parameter; hsdp: a 2-D mesh
+    (replicate, shard), each group of --fsdp.shard-size consecutive ranks (a node) holds one copy sharded among
+    them, gradients are reduce-scattered within a group and all-reduced across groups (only the all-reduce crosses
+    the slower network between nodes). auto: hsdp when the run spans several nodes (LOCAL_WORLD_SIZE < WORLD_SIZE),
+    else fsdp (docs/multinode.md)"""
+    shard_size: int = 0
+    """ranks per shard group with --fsdp.mesh hsdp (0: the ranks per node, LOCAL_WORLD_SIZE); must divide the
+    number of ranks"""
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -93,16 +104,43 @@ def resolve_keep_gathered(args: FSDPArgs, model: nn.Module, device: torch.device
     return small_on_gpu(args, model, device)
 
 
+def resolve_mesh(args: FSDPArgs, world_size: int, local_world_size: int) -> tuple[str, tuple[int, ...]]:
+    """--fsdp.mesh and --fsdp.shard-size -> ("fsdp", (world,)) or ("hsdp", (replicas, shard_size)). auto: hsdp when
+    the ranks span several nodes (torchrun's LOCAL_WORLD_SIZE, ranks per node, below the world size)."""
+    kind = args.mesh if args.mesh != "auto" else "hsdp" if local_world_size < world_size else "fsdp"
+    if kind == "fsdp":
+        if args.shard_size not in (0, world_size):
+            raise ValueError(f"--fsdp.shard-size {args.shard_size} needs --fsdp.mesh hsdp (fsdp shards over all "
+                             f"{world_size} ranks); pass --fsdp.mesh hsdp or drop --fsdp.shard-size")
+        return kind, (world_size,)
+    size = args.shard_size or local_world_size
+    if size < 1 or world_size % size:
+        raise ValueError(f"--fsdp.shard-size {size} must divide the number of ranks ({world_size}); with 0 it is the "
+                         f"ranks per node (LOCAL_WORLD_SIZE {local_world_size}); pick a divisor or --fsdp.mesh fsdp")
+    return kind, (world_size // size, size)
+
+
+def device_mesh(device: torch.device, shape: tuple[int, ...]):
+    """The DeviceMesh of `shape` (from resolve_mesh): 1-D ("shard",) or 2-D ("replicate", "shard"). Rank r sits at
+    row r // shard_size: a shard group is consecutive ranks, i.e. one node's under torchrun."""
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """What shard() decided for one model, for the caller to use and print (nothing is written onto the model)."""
     unit: str              # "layer" (each decoder layer its own FSDP unit, then the root) or "model" (one unit)
     keep_gathered: bool    # the micro-batch loop keeps the parameters gathered until a mini-batch's last backward
     param_dtype: torch.dtype
+    mesh: str = "fsdp"     # "fsdp" (1-D: shard over all ranks) or "hsdp" (2-D: replicate across groups, shard within)
+    mesh_shape: tuple[int, ...] = (1,)  # (world,) or (replicas, shard size)
 
     def table(self) -> dict:
         """Rows for the scripts' geometry table."""
-        return {"FSDP unit": self.unit, "FSDP keep gathered": self.keep_gathered,
+        shape = " x ".join(map(str, self.mesh_shape))
+        return {"FSDP mesh": f"{self.mesh} {shape} ({'replicate x shard' if self.mesh == 'hsdp' else 'shard'})",
+                "FSDP unit": self.unit, "FSDP keep gathered": self.keep_gathered,
                 "FSDP compute dtype": str(self.param_dtype).removeprefix("torch."),
                 "gradient reduction": "sum over ranks (each rank's loss is its share of the global batch's)"}
 
@@ -113,16 +151,19 @@ def shard(model: nn.Module, args: FSDPArgs, device: torch.device,
     --fsdp.unit model, everything). Returns `root` (the module whose forward is called; it may wrap `model`, e.g.
     common.models.TokenLogProbs, so the LM head weight is all-gathered inside that forward) and the ShardPlan.
 
+    The mesh is --fsdp.mesh's (resolve_mesh): 1-D over all ranks, or 2-D (HSDP) over several nodes.
     Gradients are SUMMED over ranks, not averaged (FSDP2's gradient divide factor 1, as torchtitan does when the
     loss is normalised by a global count): every script divides its loss by a normaliser of the whole global
     batch (all ranks, all micro-batches), so each rank's backward is its share and the sum is the gradient of the
-    batch loss. The world size and the number of micro-batches appear nowhere else.
+    batch loss. The world size and the number of micro-batches appear nowhere else. On a 2-D mesh the sum is a
+    reduce-scatter within the shard group then an all-reduce across groups: the same sum over all ranks.
     """
     root = model if root is None else root
     world = torch.distributed.get_world_size()
-    mesh = init_device_mesh(device.type, (world,))
+    kind, shape = resolve_mesh(args, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    mesh = device_mesh(device, shape)
     plan = ShardPlan(unit=resolve_unit(args, world, keep := resolve_keep_gathered(args, model, device)),
-                     keep_gathered=keep, param_dtype=compute_dtype(args, device))
+                     keep_gathered=keep, param_dtype=compute_dtype(args, device), mesh=kind, mesh_shape=shape)
     kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype,
                                                         reduce_dtype=DTYPES[args.reduce_dtype]),
               reshard_after_forward=args.reshard_after_forward and not keep)

@@ -95,11 +95,16 @@ def load_prompt_splits(args, tok, rank: int, world_size: int):
 
 
 def resolve_model_once(spec: str, is_main: bool) -> str:
-    """common.models.resolve_model on rank 0 first (a GGUF is converted once, into the shared cache), then on the
-    other ranks, which find the converted folder."""
+    """common.models.resolve_model on rank 0 first (a GGUF is converted once, into the cache), then on the first
+    rank of every other node (which finds the converted folder when $RL_CACHE is on a shared file system, else
+    converts its own node's copy), then on the remaining ranks, which find it."""
+    first_of_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
     path = resolve_model(spec) if is_main else None
     torch.distributed.barrier()
-    return path if is_main else resolve_model(spec)
+    if first_of_node and not is_main:
+        path = resolve_model(spec)
+    torch.distributed.barrier()
+    return path or resolve_model(spec)
 
 
 def load_policy(args, model_path: str, device):

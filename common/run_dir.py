@@ -1,6 +1,7 @@
 """The run folder: one run at a time. claim_run_dir() locks <out-dir>/<exp-name> for this process (run.lock names
-the holder) and refuses to start fresh over an earlier run's metrics or checkpoints unless --resume or --overwrite
-is given (docs/checkpoints.md)."""
+the holder), refuses to start fresh over an earlier run's metrics or checkpoints unless --resume or --overwrite
+is given (docs/checkpoints.md), and checks that every rank sees the folder rank 0 made (a file system all nodes
+share, docs/multinode.md)."""
 import atexit
 import json
 import os
@@ -8,6 +9,7 @@ import shutil
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from common import dist as D
@@ -93,4 +95,37 @@ def claim_run_dir(run_dir: Path, resume: str, overwrite: bool) -> Path:
     error = D.broadcast_object(error)
     if error:
         raise RunDirError(error)
+    check_shared(Path(run_dir))
     return Path(run_dir)
+
+
+SHARED_CHECK = ".shared-fs-check"
+
+
+def check_shared(run_dir: Path, wait_s: float = 10.0) -> None:
+    """Every rank must see the files rank 0 writes into `run_dir` (checkpoints are written by all ranks into one
+    folder and completed by rank 0): rank 0 writes a fresh token there, every rank reads it back (for up to `wait_s`
+    seconds: a network file system may show a new file late). A collective; every rank raises the same error naming
+    the hosts and the path that did not see it (a node-local disk, or a different mount point)."""
+    path = Path(run_dir).absolute() / SHARED_CHECK
+    token = uuid.uuid4().hex if D.rank() == 0 else None
+    if token:
+        path.write_text(token)
+    token = D.broadcast_object(token)  # also the barrier: the file exists before anyone looks
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            seen = "" if path.read_text() == token else "holds another token than rank 0 wrote"
+        except OSError as e:
+            seen = f"cannot be read ({type(e).__name__}: {e.strerror or e})"
+        if not seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    ranks = D.all_gather_objects((socket.gethostname(), str(path), seen))  # [(host, path, "" or why not)] by rank
+    if D.rank() == 0:
+        path.unlink(missing_ok=True)
+    blind = [f"rank {r} on {host}: {where} {why}" for r, (host, where, why) in enumerate(ranks) if why]
+    if blind:
+        raise RunDirError(f"not every rank sees the run folder that rank 0 (on {ranks[0][0]}) wrote: "
+                          f"{'; '.join(blind)}. Put --out-dir on a file system every node mounts at the same path "
+                          "(NFS, Lustre, ...): all ranks write checkpoints there (docs/multinode.md)")

@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from common.dist import bind_cpus
+from common.dist import all_gather_objects, bind_cpus
 from common.rollout import Rollout
 
 GiB = 1024**3
@@ -50,7 +51,8 @@ class VLLMArgs:
     sleep, the engine keeps its weights and KV cache on the GPU beside the trainer (saves the sleep and wakes,
     ~0.2 s a step at W05; only when both fit: the trainer's peak plus what the engine holds, which init logs)"""
     tensor_parallel_size: int = 1
-    """GPUs per vLLM engine; consecutive torchrun ranks form one engine, replicas = world_size / this"""
+    """GPUs per vLLM engine; consecutive torchrun ranks of one node form one engine (must divide --nproc_per_node:
+    tensor parallelism never spans nodes), replicas = world_size / this"""
     enable_prefix_caching: bool = True
     """reuse the KV of shared prompt prefixes (the n samples of a prompt); reset after every refit"""
     dtype: str = "bfloat16"
@@ -203,16 +205,29 @@ def request_seeds(seed: int, dp_rank: int, num_requests: int, n: int) -> list[in
     return [base + i * n for i in range(num_requests)]
 
 
-def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, int, list[int]]:
+def tp_layout(rank: int, world_size: int, tp: int, local_world_size: int | None = None,
+              hosts: list[str] | None = None) -> tuple[int, int, int, list[int]]:
     """(dp_rank, dp_size, tp_rank, ranks of this rank's engine) under vLLM's external launcher.
 
     vLLM lays the torchrun world out as ExternalDP x DP x PP x PCP x TP and cuts TP groups from the last axis
-    (vllm/distributed/parallel_state.py: initialize_model_parallel), so an engine is `tp` consecutive ranks.
+    (vllm/distributed/parallel_state.py: initialize_model_parallel), so an engine is `tp` consecutive ranks;
+    replicas = world_size / tp. Tensor parallelism never spans nodes: `tp` must divide the ranks per node
+    (`local_world_size`, torchrun's LOCAL_WORLD_SIZE), and with `hosts` (every rank's host name) the engine's ranks
+    must be on one host.
     """
     if tp < 1 or world_size % tp:
         raise ValueError(f"--vllm.tensor-parallel-size {tp} must divide the number of ranks ({world_size})")
+    if local_world_size is not None and local_world_size % tp:
+        raise ValueError(f"--vllm.tensor-parallel-size {tp} must divide the GPUs per node ({local_world_size}, "
+                         f"torchrun's --nproc_per_node): an engine's ranks must share a node, tensor parallelism "
+                         f"never spans nodes; use a tensor-parallel size that divides {local_world_size}")
     first = rank // tp * tp
-    return rank // tp, world_size // tp, rank % tp, list(range(first, first + tp))
+    ranks = list(range(first, first + tp))
+    if hosts is not None and len({hosts[r] for r in ranks}) > 1:
+        raise ValueError(f"--vllm.tensor-parallel-size {tp}: the engine of ranks {ranks} would span the hosts "
+                         f"{sorted({hosts[r] for r in ranks})}; torchrun numbers one node's ranks consecutively, so "
+                         f"every node must run the same --nproc_per_node, a multiple of {tp}")
+    return rank // tp, world_size // tp, rank % tp, ranks
 
 
 def memory_snapshot(device: torch.device | int | None = None) -> dict[str, int]:
@@ -268,11 +283,10 @@ class VLLMEngine:
                                "sleep mode (its CuMem pool); unset it or use --rollout hf")
         self.args, self.verbose = args, args.verbose
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.dp_rank, self.dp_size, self.tp_rank, tp_ranks = tp_layout(self.rank, world, args.tensor_parallel_size)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if local_world % args.tensor_parallel_size:
-            raise ValueError(f"--vllm.tensor-parallel-size {args.tensor_parallel_size} must divide the GPUs per "
-                             f"node ({local_world}): an engine's ranks must share a node")
+        hosts = all_gather_objects(socket.gethostname()) if args.tensor_parallel_size > 1 else None
+        self.dp_rank, self.dp_size, self.tp_rank, tp_ranks = tp_layout(self.rank, world, args.tensor_parallel_size,
+                                                                        local_world, hosts)
         # Ranks of one engine must submit identical requests; generate() gathers their prompts over this group.
         # new_group is collective over the whole world, so every rank creates every group, in the same order.
         self._tp_group = None

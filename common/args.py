@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
@@ -52,6 +53,47 @@ class RunArgs:
     """deterministic algorithms (exact resume and repeatable runs; slower)"""
     max_bad_updates: int = 3
     """stop after this many consecutive non-finite losses/gradients (each one skips its update)"""
+
+
+@dataclass
+class PairArgs(RunArgs):
+    """The flags dpo.py and rm.py share: preference pairs in common/preference.py's formats, and the optimiser."""
+    # ---- model and data ----------------------------------------------------------------------------------
+    dataset: str = str(Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless" / "short.jsonl.gz")
+    """HF dataset id (Anthropic/hh-rlhf), or a local .jsonl(.gz)/.parquet file or folder; default: 488 short HH-RLHF
+    harmless pairs shipped in data/ (data/hh-rlhf-harmless/README.md)"""
+    dataset_config: str | None = None
+    """HF dataset config name"""
+    train_split: str = "train"
+    """split to train on"""
+    eval_split: str | None = None
+    """held-out split; None: hold out --eval-fraction of the train split (seeded)"""
+    eval_fraction: float = 0.1
+    """fraction of the train split held out when there is no --eval-split"""
+    prompt_field: str = "prompt"
+    """field holding the prompt (text or messages); absent: the shared prefix of chosen and rejected (HH-RLHF)"""
+    chosen_field: str = "chosen"
+    """field holding the preferred response (text, messages, or the whole dialogue)"""
+    rejected_field: str = "rejected"
+    """field holding the dispreferred response"""
+    max_length: int = 256
+    """pairs whose prompt + longer response exceed this many tokens are dropped (and counted)"""
+    # ---- algorithm ---------------------------------------------------------------------------------------
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    """after warm-up: constant, or cosine decay to 10% over the run"""
+    warmup_steps: int = 0
+    """steps of linear LR warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm (0: no clipping)"""
+    # ---- batch geometry ----------------------------------------------------------------------------------
+    pairs_per_step: int = 8
+    """pairs per optimiser step, over all ranks (the loss is their mean)"""
+    num_epochs: int = 1
+    """passes over the train pairs (when --num-steps is 0)"""
 
 
 @dataclass

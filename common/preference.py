@@ -262,3 +262,24 @@ def pairs_from_samples(contents: list[str], texts: list[list[str]], rewards: lis
             else:
                 rows.append({"prompt": content, "chosen": c, "rejected": r})
     return rows
+
+
+PAIR_SIZES = (("num_steps", 0), ("pairs_per_step", 1), ("num_epochs", 1), ("eval_size", 0), ("max_length", 1),
+              ("max_tokens_per_microbatch", 1), ("lr", 0), ("warmup_steps", 0), ("keep_last", 1))  # (flag, least)
+
+
+def check_pair_geometry(args, world_size: int, sizes: tuple = ()) -> None:
+    """dpo.py / rm.py flags, checked before anything expensive; each error names the flag to change: PAIR_SIZES and
+    the script's own (field, least value) sizes, a pair fits a micro-batch, each rank gets a pair, and a single file
+    has no separate eval split."""
+    for name, least in PAIR_SIZES + tuple(sizes):
+        if not getattr(args, name) >= least:  # `not >=`: NaN fails too
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
+    if args.max_tokens_per_microbatch < 2 * args.max_length:
+        raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one pair "
+                         f"(2 x --max-length = {2 * args.max_length}): both sequences of a pair share a micro-batch")
+    if args.pairs_per_step < world_size:
+        raise ValueError(f"--pairs-per-step {args.pairs_per_step} must be >= the number of ranks ({world_size})")
+    if args.eval_split and os.path.isfile(os.path.expanduser(args.dataset)):
+        raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
+                         "leave it unset to hold out --eval-fraction")

@@ -104,13 +104,13 @@ def test_ratio_divides_by_the_behaviour_log_probs():
     behaviour = torch.log(torch.tensor([[0.25, 0.3]]))  # (1, 2) the engine's log-probs of the sampled tokens
     mask, adv = torch.ones(1, 2), torch.ones(1)
     loss, stats = grpo_async.policy_loss(logp, torch.zeros(1, 2), mask, adv, behaviour, None, behaviour, args, 2.0)
-    assert float(loss) == pytest.approx(-(1.2 + 1.0) / 2)
+    assert float(loss.detach()) == pytest.approx(-(1.2 + 1.0) / 2)
     assert float(stats["clip_frac"]) == 1 and float(stats["gap_sum"]) == 0
     loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-0.5)  # clipped: no gradient; else -A r / 2
     on_policy, _ = grpo_async.policy_loss(logp, torch.zeros(1, 2), mask, adv, logp.detach(), None, behaviour, args,
                                           2.0)
-    assert float(on_policy) == pytest.approx(-1.0)
+    assert float(on_policy.detach()) == pytest.approx(-1.0)
 
 
 @pytest.mark.parametrize("flag", [["--tis-cap", "2"], ["--dynamic-sampling", "--dynamic-sampling-max-rounds", "2"]])
@@ -120,3 +120,27 @@ def test_async_rejects_flags_it_cannot_honour(tiny_model_dir, tmp_path, flag):
                         "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     assert "--async-rollout takes no" in p.stderr and flag[-2] in p.stderr and "--no-async-rollout" in p.stderr
+
+
+def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
+    """runs/grpo_async_gsm8k_qwen05b.sh (a GPU recipe, not run on CPU) parses, turns the async mode on, and sets every
+    flag as runs/grpo_gsm8k_qwen05b.sh does for grpo.py, so the two runs compare one to one."""
+    import dataclasses
+    import shlex
+
+    import grpo
+    from common.args import cli
+
+    def parsed(name: str, script):
+        text = (ROOT / "runs" / name).read_text()
+        launch = text.split('torchrun --nproc_per_node=1 --master-port "$PORT" ', 1)[1].split('"$@"')[0]
+        argv = shlex.split(launch.replace("\\\n", " "))
+        assert argv[0] == f"{script.__name__}.py"
+        monkeypatch.setattr(sys, "argv", argv)
+        return dataclasses.asdict(cli(script.Args))
+
+    sync, async_ = parsed("grpo_gsm8k_qwen05b.sh", grpo), parsed("grpo_async_gsm8k_qwen05b.sh", grpo_async)
+    assert async_.pop("async_rollout") is True
+    assert (sync.pop("exp_name"), async_.pop("exp_name")) == ("grpo_gsm8k_qwen05b", "grpo_async_gsm8k_qwen05b")
+    assert async_ == sync
+    assert (sync["rollout"], sync["num_steps"], sync["vllm"]["sleep_level"]) == ("vllm", 100, 0)

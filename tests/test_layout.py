@@ -5,8 +5,8 @@ from pathlib import Path
 
 from conftest import ROOT
 
-PROJECT = {"common", "kernels", "tools", "bench", "dev", "tests", "grpo", "ppo", "dpo", "rm"}
-SCRIPTS = {"grpo", "ppo", "dpo", "sft", "rm"}
+PROJECT = {"common", "kernels", "tools", "bench", "dev", "tests", "grpo", "ppo", "dpo", "rm", "grpo_async"}
+SCRIPTS = {"grpo", "ppo", "dpo", "sft", "rm", "grpo_async"}
 ALLOWED = {  # folder (or "scripts") -> project packages its files may import
     "scripts": {"common", "kernels"},
     "tools": {"common", "kernels", "tools"},

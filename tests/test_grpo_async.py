@@ -1,0 +1,146 @@
+"""grpo_async.py (issue 20: one-step off-policy rollouts) on CPU with the HF engine: --no-async-rollout is grpo.py
+exactly; with it on, step t's rollout is the one the weights of one refit ago generated, pi_old in the ratio is the
+engine's (behaviour) log-prob, rollout/staleness is logged, and a 3-step run stays finite."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import grpo_async
+from conftest import ROOT, torchrun
+
+# a tiny deterministic CPU run; one mini-batch, so grpo.py's pi_old is pi.detach() (ratio 1, clip fraction 0)
+TINY = ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
+        "--eval-every", "0", "--log-samples-every", "1", "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-2",
+        "--seed", "1", "--deterministic", "--device", "cpu", "--rollout", "hf", "--logprob-impl", "torch",
+        "--temperature", "1.0", "--top-k", "0", "--top-p", "1.0", "--num-minibatches", "1", "--num-epochs", "1",
+        "--engine-logprobs-every", "1"]
+
+
+def run(script, model, out, name, *extra):
+    """Run `script` on one rank with TINY and `extra` (later flags win); its metrics rows and samples by step."""
+    torchrun(script, "--model", str(model), *TINY, *extra, "--out-dir", str(out), "--exp-name", name, nproc=1,
+             timeout=300)
+    rows = [json.loads(line) for line in open(out / name / "metrics.jsonl")]
+    samples = {}
+    for line in open(out / name / "samples.jsonl"):
+        r = json.loads(line)
+        samples.setdefault(r["step"], []).append((r["prompt"], r["completion"], r["reward"]))
+    return [r for r in rows if "reward/mean" in r], samples
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """The four runs the slow tests read: grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
+    weights stay those of step 0 at every step)."""
+    out = tmp_path_factory.mktemp("async")
+    return {"grpo": run("grpo.py", tiny_model_dir, out, "grpo"),
+            "off": run("grpo_async.py", tiny_model_dir, out, "off", "--no-async-rollout"),
+            "on": run("grpo_async.py", tiny_model_dir, out, "on", "--num-steps", "3"),
+            "frozen": run("grpo_async.py", tiny_model_dir, out, "frozen", "--no-async-rollout", "--lr", "0",
+                          "--num-steps", "3")}
+
+
+@pytest.mark.slow
+def test_off_is_grpo(runs):
+    """--no-async-rollout logs what grpo.py logs, bit for bit, timings aside; the same samples."""
+    (grpo, grpo_samples), (off, off_samples) = runs["grpo"], runs["off"]
+    assert [r["step"] for r in off] == [0, 1]
+    for a, b in zip(grpo, off):
+        keys = {k for k in a if not k.startswith("perf/") and k != "time"}
+        assert keys == {k for k in b if not k.startswith("perf/") and k != "time"}
+        assert "rollout/staleness" not in keys and "rollout/logprob_gap_mean" in keys
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert grpo_samples == off_samples
+
+
+@pytest.mark.slow
+def test_async_rollout_comes_from_the_weights_of_one_refit_ago(runs):
+    """Step 0 generates now (the first step has no previous rollout); step 1 learns from the rollout the step-0
+    weights generated while step 0 learned: it equals the frozen run's (weights of step 0 at every step) and not
+    grpo.py's step 1 (the weights after step 0's update, which sample differently)."""
+    (on, on_samples), (_, grpo_samples), (_, frozen_samples) = runs["on"], runs["grpo"], runs["frozen"]
+    assert [r["step"] for r in on] == [0, 1, 2]
+    assert [r["rollout/staleness"] for r in on] == [0, 1, 1]
+    assert on_samples[0] == grpo_samples[0]  # the first step: generated now, by the same weights and seed
+    assert on_samples[1] == frozen_samples[1]  # the step-0 weights' rollout, learned from at step 1
+    assert on_samples[1] != grpo_samples[1]  # the test can tell: the updated weights sample other completions
+    assert on_samples[2] != frozen_samples[2]  # step 2's: by the weights refit after step 0's update, not step 0's
+    # the overlap is timed: step t waited for step t+1's generation (wait_rollout_s) before refitting, except the last
+    assert [("perf/wait_rollout_s" in r) for r in on] == [True, True, False]
+    assert all(r["perf/generate_s"] > 0 for r in on)
+
+
+@pytest.mark.slow
+def test_async_pi_old_is_the_behaviour_policy_and_the_run_is_sane(runs):
+    """With one optimiser step per rollout grpo.py's ratio is exactly 1 (pi_old = pi.detach(): nothing clipped).
+    grpo_async.py divides by the engine's log-probs: at step 0 (same weights) the ratio is 1 up to float error, so
+    nothing is clipped; at steps 1-2 the trainer is one update (lr 1e-2) past the weights that sampled, so some
+    tokens' ratios leave [0.8, 1.2] and are clipped. All metrics are finite."""
+    on, _ = runs["on"]
+    grpo, _ = runs["grpo"]
+    assert all(r["train/clip_frac"] == 0 for r in grpo)
+    assert on[0]["train/clip_frac"] == 0
+    assert on[1]["train/clip_frac"] > 0 and on[2]["train/clip_frac"] > 0
+    assert "rollout/logprob_gap_mean" not in on[1]  # 0 by construction with pi_old = the engine's log-probs
+    for r in on:
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, (int, float))), r
+        assert r["train/grad_norm"] > 0 and r["train/entropy"] > 0 and r["rollout/sequences_trained"] == 8
+
+
+def test_ratio_divides_by_the_behaviour_log_probs():
+    """The ratio pi / pi_old with pi_old = the behaviour (engine) log-probs, as main passes it with --async-rollout:
+    hand-computed on two tokens. Token 0: pi 0.5, behaviour 0.25 -> ratio 2, clipped to 1.2 (A = +1); token 1: pi
+    0.3, behaviour 0.3 -> ratio 1. Had the trainer's own log-prob been pi_old, both ratios would be 1 (loss -1)."""
+    args = grpo_async.Args()
+    assert args.async_rollout and not args.recompute_old_logp  # the default: no trainer pass for pi_old
+    assert grpo_async.Args(num_minibatches=2).recompute_old_logp is False  # even with 2 optimiser steps a rollout
+    assert grpo_async.Args(num_minibatches=2, async_rollout=False).recompute_old_logp  # grpo.py's rule when off
+    logp = torch.log(torch.tensor([[0.5, 0.3]])).requires_grad_()  # (1, 2) the trainer's pi
+    behaviour = torch.log(torch.tensor([[0.25, 0.3]]))  # (1, 2) the engine's log-probs of the sampled tokens
+    mask, adv = torch.ones(1, 2), torch.ones(1)
+    loss, stats = grpo_async.policy_loss(logp, torch.zeros(1, 2), mask, adv, behaviour, None, behaviour, args, 2.0)
+    assert float(loss.detach()) == pytest.approx(-(1.2 + 1.0) / 2)
+    assert float(stats["clip_frac"]) == 1 and float(stats["gap_sum"]) == 0
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-0.5)  # clipped: no gradient; else -A r / 2
+    on_policy, _ = grpo_async.policy_loss(logp, torch.zeros(1, 2), mask, adv, logp.detach(), None, behaviour, args,
+                                          2.0)
+    assert float(on_policy.detach()) == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("flag", [["--tis-cap", "2"], ["--dynamic-sampling", "--dynamic-sampling-max-rounds", "2"]])
+def test_async_rejects_flags_it_cannot_honour(tiny_model_dir, tmp_path, flag):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    p = subprocess.run([sys.executable, "grpo_async.py", "--model", str(tiny_model_dir), *TINY, *flag,
+                        "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "--async-rollout takes no" in p.stderr and flag[-2] in p.stderr and "--no-async-rollout" in p.stderr
+
+
+def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
+    """runs/grpo_async_gsm8k_qwen05b.sh (a GPU recipe, not run on CPU) parses, turns the async mode on, and sets every
+    flag as runs/grpo_gsm8k_qwen05b.sh does for grpo.py, so the two runs compare one to one."""
+    import dataclasses
+    import shlex
+
+    import grpo
+    from common.args import cli
+
+    def parsed(name: str, script):
+        text = (ROOT / "runs" / name).read_text()
+        launch = text.split('torchrun --nproc_per_node=1 --master-port "$PORT" ', 1)[1].split('"$@"')[0]
+        argv = shlex.split(launch.replace("\\\n", " "))
+        assert argv[0] == f"{script.__name__}.py"
+        monkeypatch.setattr(sys, "argv", argv)
+        return dataclasses.asdict(cli(script.Args))
+
+    sync, async_ = parsed("grpo_gsm8k_qwen05b.sh", grpo), parsed("grpo_async_gsm8k_qwen05b.sh", grpo_async)
+    assert async_.pop("async_rollout") is True
+    assert (sync.pop("exp_name"), async_.pop("exp_name")) == ("grpo_gsm8k_qwen05b", "grpo_async_gsm8k_qwen05b")
+    assert async_ == sync
+    assert (sync["rollout"], sync["num_steps"], sync["vllm"]["sleep_level"]) == ("vllm", 100, 0)

@@ -61,6 +61,7 @@ from common.args import LoraArgs, PairArgs, cli
 from common.determinism import set_deterministic
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
+from common.lifecycle import finish_run
 from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
@@ -70,7 +71,7 @@ from common.preference import (cache_key, cached_reference_logprobs, check_pair_
 from common.progress import note, show_phase
 from common.rl_setup import resolve_model_once
 from common.run_dir import claim_run_dir
-from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
+from common.stop import install_stop_handler, stop_agreed
 from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
 
 
@@ -377,12 +378,7 @@ def main(args: Args) -> None:
 
     if evaluating and not stopping:
         evaluate_and_log(num_steps)  # the final evaluation, on the final weights
-    if args.export_hf:
-        lora.export_policy(policy, tok, lm.config, Path(args.export_hf), args.lora, model_path)
-    progress.close()
-    tracker.finish()
-    D.cleanup()
-    exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
+    finish_run(args.export_hf, policy, tok, lm.config, progress, tracker, stop, args.lora, model_path)  # exit 143
 
 
 if __name__ == "__main__":

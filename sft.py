@@ -50,6 +50,7 @@ from common.determinism import set_deterministic
 from common.evaluate import evaluate, log_eval
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
+from common.lifecycle import finish_run
 from common.models import TokenLogProbs, TokenLoss, eos_token_ids, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import pack_masked, shard_microbatches
@@ -61,7 +62,7 @@ from common.rewards import load_reward_fn
 from common.rl_setup import resolve_model_once
 from common.rollout import make_engine, sync_engine
 from common.run_dir import claim_run_dir
-from common.stop import exit_if_stopped, install_stop_handler, stop_agreed
+from common.stop import install_stop_handler, stop_agreed
 from common.tracking import Progress, make_tracker, print_table, timed, to_dict
 from common.vllm_engine import VLLMArgs
 
@@ -382,12 +383,7 @@ def main(args: Args) -> None:
 
     if evaluating and not stopping:
         evaluate_and_log(num_steps)  # the final evaluation, on the final weights
-    if args.export_hf:
-        lora.export_policy(policy, tok, lm.config, Path(args.export_hf), args.lora, model_path)
-    progress.close()
-    tracker.finish()
-    D.cleanup()
-    exit_if_stopped(stop)  # a run stopped by a signal exits 143, not 0 (docs/checkpoints.md)
+    finish_run(args.export_hf, policy, tok, lm.config, progress, tracker, stop, args.lora, model_path)  # exit 143
 
 
 if __name__ == "__main__":

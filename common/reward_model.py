@@ -184,14 +184,15 @@ class RewardScorer:
         if not seqs:
             return out
         lengths = [len(s) for s in seqs]
+        out = out.to(self.device)  # filled on the device, copied to the host once (no sync per micro-batch)
         self.onload()
         try:
             for rows in plan_microbatches(lengths, list(range(len(seqs))), max(self.budget, max(lengths))):
                 mb = pack(seqs, [[] for _ in seqs], rows).to(self.device)
-                out[rows] = sequence_rewards(self.model, mb).cpu()
+                out[rows] = sequence_rewards(self.model, mb)
         finally:
             self.offload()
-        return out
+        return out.cpu()
 
     def onload(self) -> None:
         """Weights onto the device for scoring (no-op on CPU)."""

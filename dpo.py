@@ -58,10 +58,9 @@ from common import checkpoint as C
 from common import dist as D
 from common import lora
 from common.args import LoraArgs, PairArgs, cli
-from common.determinism import set_deterministic
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
-from common.lifecycle import finish_run
+from common.lifecycle import checkpoint_step, finish_run, start_run
 from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
@@ -71,7 +70,7 @@ from common.preference import (cache_key, cached_reference_logprobs, check_pair_
 from common.progress import note, show_phase
 from common.rl_setup import resolve_model_once
 from common.run_dir import claim_run_dir
-from common.stop import install_stop_handler, stop_agreed
+from common.stop import install_stop_handler
 from common.tracking import Progress, make_tracker, print_table, step_peak_gib, timed, to_dict
 
 
@@ -219,9 +218,7 @@ def evaluate(policy, pairs, ids, ref_table, ref_model, args, d) -> dict:
 
 
 def main(args: Args) -> None:
-    d = D.init_distributed(args.device)
-    set_deterministic(args.deterministic)
-    D.seed_everything(args.seed)
+    d = start_run(args.device, args.deterministic, args.seed)  # process group, determinism, seeds, varlen attention
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
     check_pair_geometry(args, d.world_size)  # sizes, micro-batch, ranks, eval split: errors name the flag
     preference_loss(*torch.zeros(4, 1), args.loss, args.beta, args.label_smoothing)  # names a bad --loss or eps now
@@ -367,14 +364,9 @@ def main(args: Args) -> None:
         # ---- 5. evaluate, 6. checkpoint -----------------------------------------------------------------------
         if evaluating and (step + 1) % args.eval_every == 0 and step + 1 < num_steps:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
-        stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
-        if stopping or step + 1 == num_steps or (args.save_every and (step + 1) % args.save_every == 0):
-            data = {"epoch": epoch, "position": position}  # ref_cache: the DPO reference cache pointer
-            C.save_checkpoint(ckpt_root, step + 1, state, {"step": step + 1, "data": data, "ref_cache": ref_cache},
-                              args.keep_last)
-        if stopping:
-            print(f"[rank {d.rank}] stopped by signal after step {step}; resume with --resume latest", flush=True)
-            break
+        extra = {"data": {"epoch": epoch, "position": position}, "ref_cache": ref_cache}  # the reference cache pointer
+        if stopping := checkpoint_step(stop, ckpt_root, step + 1, state, extra, args, d.rank, num_steps):
+            break  # a signal on any rank: checkpointed (resumes exactly here), now leave
 
     if evaluating and not stopping:
         evaluate_and_log(num_steps)  # the final evaluation, on the final weights

@@ -43,14 +43,13 @@ from common import checkpoint as C
 from common import dist as D
 from common import lora
 from common.args import LoraArgs, RunArgs, cli
-from common.attention import attn_kwargs, describe, register_varlen_attention
+from common.attention import attn_kwargs, describe
 from common.chat import build_examples, row_format
 from common.data import DEFAULT_INSTRUCTION, build_prompts, load_rows
-from common.determinism import set_deterministic
 from common.evaluate import evaluate, log_eval
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
-from common.lifecycle import finish_run
+from common.lifecycle import checkpoint_step, finish_run, start_run
 from common.models import TokenLogProbs, TokenLoss, eos_token_ids, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import pack_masked, shard_microbatches
@@ -62,7 +61,7 @@ from common.rewards import load_reward_fn
 from common.rl_setup import resolve_model_once
 from common.rollout import make_engine, sync_engine
 from common.run_dir import claim_run_dir
-from common.stop import install_stop_handler, stop_agreed
+from common.stop import install_stop_handler
 from common.tracking import Progress, make_tracker, print_table, timed, to_dict
 from common.vllm_engine import VLLMArgs
 
@@ -220,10 +219,7 @@ def evaluate_loss(policy, examples, ids: list[int], args: Args, d) -> dict:
 
 
 def main(args: Args) -> None:
-    d = D.init_distributed(args.device)
-    set_deterministic(args.deterministic)
-    D.seed_everything(args.seed)
-    register_varlen_attention()  # makes --attn-impl varlen known to transformers
+    d = start_run(args.device, args.deterministic, args.seed)  # process group, determinism, seeds, varlen attention
     if args.max_tokens_per_microbatch < args.max_length:
         raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
                          f"conversation (--max-length {args.max_length}); raise it or lower --max-length")
@@ -373,13 +369,9 @@ def main(args: Args) -> None:
         # ---- 5. evaluate, 6. checkpoint -----------------------------------------------------------------------
         if evaluating and (step + 1) % args.eval_every == 0 and step + 1 < num_steps:
             evaluate_and_log(step + 1)  # the final evaluation comes after the loop
-        stopping = stop_agreed(stop)  # SIGTERM/SIGINT on any rank: checkpoint, then leave
-        if stopping or step + 1 == num_steps or (args.save_every and (step + 1) % args.save_every == 0):
-            C.save_checkpoint(ckpt_root, step + 1, state,
-                              {"step": step + 1, "data": {"epoch": epoch, "position": position}}, args.keep_last)
-        if stopping:
-            print(f"[rank {d.rank}] stopped by signal after step {step}; resume with --resume latest", flush=True)
-            break
+        if stopping := checkpoint_step(stop, ckpt_root, step + 1, state,
+                                       {"data": {"epoch": epoch, "position": position}}, args, d.rank, num_steps):
+            break  # a signal on any rank: checkpointed (resumes exactly here), now leave
 
     if evaluating and not stopping:
         evaluate_and_log(num_steps)  # the final evaluation, on the final weights

@@ -23,11 +23,13 @@ def start_run(device: str, deterministic: bool, seed: int) -> D.Dist:
     return d
 
 
-def checkpoint_step(stop: StopFlag, ckpt_root: Path, done: int, state: dict, extra: dict, args, rank: int) -> bool:
-    """After `done` steps (of args.num_steps; --save-every, --keep-last). True when a signal (SIGTERM/SIGINT on any
-    rank) asks every rank to leave now; the checkpoint, with {"step": done} | extra, is then already written."""
-    stopping = stop_agreed(stop)
-    if stopping or done == args.num_steps or (args.save_every and done % args.save_every == 0):
+def checkpoint_step(stop: StopFlag, ckpt_root: Path, done: int, state: dict, extra: dict, args, rank: int,
+                    num_steps: int | None = None) -> bool:
+    """After `done` steps (of num_steps, args.num_steps unless given; --save-every, --keep-last). True when a signal
+    (SIGTERM/SIGINT on any rank) asks every rank to leave now; the checkpoint, with {"step": done} | extra, is then
+    already written."""
+    stopping, last = stop_agreed(stop), args.num_steps if num_steps is None else num_steps
+    if stopping or done == last or (args.save_every and done % args.save_every == 0):
         save_checkpoint(ckpt_root, done, state, {"step": done} | extra, args.keep_last)
     if stopping:
         print(f"[rank {rank}] stopped by signal after step {done - 1}; resume with --resume latest", flush=True)

@@ -48,9 +48,11 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,6 +262,8 @@ def main():
                     "v1: verl 0.9's default TaskRunnerV1 (needs TransferQueue)")
     ap.add_argument("--site", default=None, help="unpacked dev/verl-bundle.txt, put first on the child's PYTHONPATH")
     ap.add_argument("--extra", default="", help="more hydra overrides, space-separated (last wins)")
+    ap.add_argument("--timeout", type=int, default=540, help="seconds; then verl's process group is killed (its Ray "
+                    "processes with it) and the steps done so far are still reported")
     ap.add_argument("--out", default="/tmp/verl_w05")
     ap.add_argument("--check-config", action="store_true", help="compose and validate on CPU, launch nothing")
     a = ap.parse_args()
@@ -277,11 +281,14 @@ def main():
     log = out / "verl.log"
     with open(log, "w") as f:  # tee: bench/w05.py keeps only the tail of this process's output
         p = subprocess.Popen(cmd, cwd=out, env=child_env(a.site), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, errors="replace")
+                             text=True, errors="replace", start_new_session=True)
+        timer = threading.Timer(a.timeout, os.killpg, (p.pid, signal.SIGKILL))
+        timer.start()
         for line in p.stdout:
             f.write(line)
             print(line, end="", flush=True)
         rc = p.wait()
+        timer.cancel()
     rows = parse_console(log.read_text(errors="replace"))
     print("VERL_W05 " + json.dumps({"rc": rc, **summarise(rows, a.nproc)}), flush=True)
     if rc != 0 or len(rows) < a.steps:

@@ -13,6 +13,7 @@ Sub-runs, each logged to <out>/<name>.log; a failure is reported and the next on
               compiles and warms up); peak memory from torch (perf/peak_mem_gib) and from nvidia-smi
   standalone  bench/standalone_vllm.py on the same model: the generation floor; ratio = grpo generate_s / it
   trl         bench/trl_w05.py (TRL GRPOTrainer, vLLM colocate, sleep mode) on the same model and prompts
+  verl        bench/verl_w05.py (verl 0.9.1, FSDP2 + vLLM server, sleep mode), 1 GPU; staging in its docstring
 
     python bench/w05.py --tokenizer-tar .bench/qwen2.5-tokenizer.tar.xz --gsm8k .bench/gsm8k-train.jsonl
     python bench/w05.py --tokenizer-tar ... --nproc 1,2 --attn-impl sdpa,varlen --trl
@@ -226,8 +227,10 @@ def main():
     ap.add_argument("--fused-loss", default=None, help="grpo --fused-loss (on) / --no-fused-loss (off); a list runs "
                     "each, in this order within every round and GPU count: on,off compares the update phase with "
                     "and without the loss's gradient in the LM head's forward (default: neither flag, grpo.py's own)")
-    ap.add_argument("--only", default="grpo,standalone", help="sub-runs: grpo, standalone, trl (comma list)")
+    ap.add_argument("--only", default="grpo,standalone", help="sub-runs: grpo, standalone, trl, verl (comma list)")
     ap.add_argument("--trl", action="store_true", help="also run bench/trl_w05.py")
+    ap.add_argument("--verl", action="store_true", help="also run bench/verl_w05.py (1 GPU; verl 0.9.1)")
+    ap.add_argument("--verl-site", default=None, help="unpacked dev/verl-bundle.txt (bench/verl_w05.py --site)")
     ap.add_argument("--trl-micro-batch", type=int, default=None, help="TRL per-device batch (default 32; 7b: 4)")
     ap.add_argument("--timeout", type=int, default=560, help="seconds per sub-run")
     ap.add_argument("--work-dir", default="/tmp/w05", help="model folder, tokenizer and prompts (reused)")
@@ -251,7 +254,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     work = Path(a.work_dir)
     model, prompts = work / f"model-{a.shape}", work / "prompts.jsonl"
-    todo = set(a.only.split(",")) | ({"trl"} if a.trl else set())
+    todo = set(a.only.split(",")) | ({"trl"} if a.trl else set()) | ({"verl"} if a.verl else set())
     nprocs = [int(n) for n in a.nproc.split(",")]
     attns = (a.attn_impl or default_attn()).split(",")
     fused = a.fused_loss.split(",") if a.fused_loss else [None]
@@ -308,6 +311,13 @@ def main():
             r = run_sub(f"trl-{n}gpu", cmd, out, a.timeout)
             r |= {"kind": "trl", "nproc": n, **(grep_json(r["tail"], "TRL_W05") or {})}
             results["runs"].append(r)
+
+    if "verl" in todo:
+        r = run_sub("verl-1gpu", [py, "bench/verl_w05.py", "--model", str(model), "--prompts", str(prompts),
+                                  "--steps", str(a.num_steps), "--out", str(out / "verl-1gpu"),
+                                  "--timeout", str(a.timeout - 20)]
+                    + (["--site", a.verl_site] if a.verl_site else []), out, a.timeout)
+        results["runs"].append(r | {"kind": "verl", "nproc": 1, **(grep_json(r["tail"], "VERL_W05") or {})})
 
     report(results, out)
 
@@ -397,13 +407,13 @@ def report(results: dict, out: Path) -> None:
         for r in runs:
             if r.get("nproc") == 1 and r.get("generate_s") and med:
                 print(f"  generation in loop / standalone ({r['name']}): {r['generate_s'] / med:.3f}  (goal <= 1.10)")
-    for t in (r for r in results["runs"] if r.get("kind") == "trl"):
-        print(f"TRL {t['name']}: {'ok' if t['ok'] else 'FAILED'}  steps {t.get('steps')}  median warm "
+    for t in (r for r in results["runs"] if r.get("kind") in ("trl", "verl")):
+        print(f"{t['kind']} {t['name']}: {'ok' if t['ok'] else 'FAILED'}  steps {t.get('steps')}  median warm "
               f"{fmt(t.get('median_warm_s'))} s  peak {fmt(t.get('peak_mem_gib'), 1)} GiB torch / "
               f"{fmt(t.get('gpu_mem_peak_gib'), 1)} GiB nvidia-smi")
         for r in runs:
             if r.get("nproc") == t.get("nproc") and r.get("step_s") and t.get("median_warm_s"):
-                print(f"  {r['name']} step {r['step_s']:.2f} s vs TRL {t['median_warm_s']:.2f} s: "
+                print(f"  {r['name']} step {r['step_s']:.2f} s vs {t['name']} {t['median_warm_s']:.2f} s: "
                       f"{t['median_warm_s'] / r['step_s']:.2f}x")
     for line in scaling_lines(runs) + fused_loss_lines(runs):
         print(line)

@@ -24,11 +24,16 @@ though marked deprecated. It needs no TransferQueue (verl's transfer_queue impor
 v1 TaskRunner (main_ppo.py) starts TransferQueue's controller and storage actors on top. --trainer v1 runs that one.
 
 Staging on the GPU machine (no registry there; ../shared/gpu/README.md):
-  here:   ../shared/gpu/bundle.sh .gpu-assets/verl dev/verl-bundle.txt     # verl, ray, hydra, transformers 5.10, ...
-          (.gpu-assets/ is ignored by git; carry one part-NN per call, back to back, then cat | tar -xJ)
+  here:   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # sdist only on PyPI
+          PIP_FIND_LINKS=.whl ../shared/gpu/bundle.sh .gpu-assets/verl dev/verl-bundle.txt   # 96.8 MB of wheels
+          (.whl/ and .gpu-assets/ are ignored by git; carry one part-NN per call, back to back: a gap over 30 s
+          gives the machine back)
   there:  mkdir -p /tmp/verl-site && cat /tmp/stage/part-* | tar -xJ -C /tmp/verl-site
           export PYTHONPATH=/tmp/site       # the base bundle (vllm 0.26.0, datasets, wandb, ...), as for grpo.py
-          python bench/w05.py --tokenizer-tar ... --only build --verl --verl-site /tmp/verl-site
+          python bench/verl_w05.py --model ... --prompts ... --check-config --site /tmp/verl-site  # seconds, first
+          python bench/w05.py --tokenizer-tar ... --only verl --verl --verl-site /tmp/verl-site --num-steps 4
+  One call is at most 10 minutes: run verl as a call of its own (--only verl; the build is reused from --work-dir);
+  --timeout (540 s, bench/w05.py passes its own minus 20) kills verl's process group and still prints VERL_W05.
   --site goes FIRST on the child's PYTHONPATH (this script puts it there, for this run only): verl's transformers 5.10
   and tokenizers 0.23.0 shadow the image's 5.17 (verl pins <5.11), antlr4 4.9.3 shadows the base bundle's 4.13.2
   (hydra's grammar needs 4.9). Ray actors inherit the environment, so the order holds in the workers too.
@@ -267,6 +272,8 @@ def main():
     ap.add_argument("--out", default="/tmp/verl_w05")
     ap.add_argument("--check-config", action="store_true", help="compose and validate on CPU, launch nothing")
     a = ap.parse_args()
+    if a.check_config and a.site and a.site not in sys.path:  # import verl and its pins as the run would
+        raise SystemExit(subprocess.call([sys.executable] + sys.argv, env=child_env(a.site)))
 
     out, prompts = Path(a.out).resolve(), Path(a.prompts)
     data = out / "w05.parquet"

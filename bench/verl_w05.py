@@ -35,8 +35,9 @@ Staging on the GPU machine (no registry there; ../shared/gpu/README.md):
   One call is at most 10 minutes: run verl as a call of its own (--only verl; the build is reused from --work-dir);
   --timeout (540 s, bench/w05.py passes its own minus 20) kills verl's process group and still prints VERL_W05.
   --site goes FIRST on the child's PYTHONPATH (this script puts it there, for this run only): verl's transformers 5.10
-  and tokenizers 0.22.2 shadow the image's 5.17 and 0.23.3 (verl pins <5.11), antlr4 4.9.3 shadows the base bundle's 4.13.2
-  (hydra's grammar needs 4.9). Ray actors inherit the environment, so the order holds in the workers too.
+  and tokenizers 0.22.2 shadow the image's 5.17 and 0.23.3 (verl pins <5.11), antlr4 4.9.3 shadows the base
+  bundle's 4.13.2 (hydra's grammar needs 4.9). Ray actors inherit the environment, so the order holds in the workers
+  too.
   Environment set here for the child: VLLM_USE_FLASHINFER_SAMPLER=0 (flashinfer is not bundled), NCCL_NVLS_ENABLE=0,
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (the machine's rule), TOKENIZERS_PARALLELISM=false,
   WANDB_MODE=disabled; VLLM_ENABLE_V1_MULTIPROCESSING (bench/w05.py sets it to 0 for in-process engines) is removed:

@@ -278,6 +278,7 @@ def main():
                        "--max-prompt-tokens", str(W05["prompt_tokens"]), "--max-new-tokens", str(W05["new_tokens"]),
                        "--ignore-eos", "--prompts-per-step", str(W05["prompts_per_step"]),
                        "--group-size", str(W05["group_size"]), "--kl-coef", str(W05["kl_coef"]),
+                       "--temperature", "1.0", "--lr", "1e-6",  # as TRL's and verl's runs (timing-neutral: ignore_eos)
                        "--num-steps", str(a.num_steps), "--eval-every", "0", "--log-samples-every", "0",
                        "--rollout", "vllm", "--reward-fn", "bench.w05:reward", "--attn-impl", attn,
                        "--max-tokens-per-microbatch", str(a.max_tokens_per_microbatch),

@@ -109,8 +109,8 @@ def no_model(monkeypatch):
                             model_loaded)
         monkeypatch.setattr(script.D, "seed_everything", lambda seed: None)
     import common.lifecycle
-    for target in (common.lifecycle, dpo):  # grpo.py and ppo.py start through common.lifecycle.start_run
-        monkeypatch.setattr(target, "set_deterministic", lambda flag: None)
+    # grpo.py, ppo.py and dpo.py start through common.lifecycle.start_run
+    monkeypatch.setattr(common.lifecycle, "set_deterministic", lambda flag: None)
 
 
 BAD = [(grpo, dict(max_new_tokens=0), "--max-new-tokens 0: must be >= 1"),

@@ -7,6 +7,7 @@ what test_lora.py asserts on: which parameters are sharded, trainable and got gr
 the reference log-probs (adapters disabled) next to an unsharded fresh copy of the base, the merged refit stream
 next to peft's merge_and_unload, and the two --export-hf folders (adapter, merged) with the policy's log-probs.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -65,3 +66,6 @@ res["mb"] = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "target
 if d.is_main:
     torch.save(res, out / "results.pt")
 D.cleanup()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # as tests/grad_split_driver.py: no interpreter finalization with FSDP modules and gloo threads alive

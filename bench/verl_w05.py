@@ -34,7 +34,7 @@ Staging on the GPU machine (no registry there; ../shared/gpu/README.md):
           python bench/w05.py --tokenizer-tar ... --only verl --verl --verl-site /tmp/verl-site --num-steps 4
   One call is at most 10 minutes: run verl as a call of its own (--only verl; the build is reused from --work-dir);
   --timeout (540 s, bench/w05.py passes its own minus 20) kills verl's process group and still prints VERL_W05.
-  --site goes FIRST on the child's PYTHONPATH (this script puts it there, for this run only): verl's transformers 5.10
+  --site goes FIRST on the child's PYTHONPATH (this script puts it there, for this run only): verl's transformers 5.9
   and tokenizers 0.22.2 shadow the image's 5.17 and 0.23.3 (verl pins <5.11), antlr4 4.9.3 shadows the base
   bundle's 4.13.2 (hydra's grammar needs 4.9). Ray actors inherit the environment, so the order holds in the workers
   too.

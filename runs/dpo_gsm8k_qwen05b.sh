@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the assembled Qwen2.5-Coder-0.5B-Instruct .gguf}"
 : "${DATA:?set DATA to the GSM8K folder (train.jsonl, test.jsonl)}"
 OUT_DIR=${OUT_DIR:-runs_out}
-PORT=${PORT:-29530}
+PORT=${PORT:-${PET_MASTER_PORT:-29530}}  # a sweep (tools.sweep) sets PET_MASTER_PORT per slot
 NUM_PROMPTS=${NUM_PROMPTS:-1024}
 INSTR="Solve the problem step by step. Give the final answer as '#### <number>' on the last line."
 mkdir -p "$OUT_DIR/dpo_gsm8k_qwen05b"

@@ -16,6 +16,6 @@
 # NOT RUN YET: no numbers exist for this recipe; the GPU path of grpo_async.py is untested.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SCRIPT=grpo_async.py PORT=${PORT:-29511} exec bash runs/grpo_gsm8k_qwen05b.sh --async-rollout \
+SCRIPT=grpo_async.py PORT=${PORT:-${PET_MASTER_PORT:-29511}} exec bash runs/grpo_gsm8k_qwen05b.sh --async-rollout \
   --exp-name grpo_async_gsm8k_qwen05b \
   "$@"

@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the assembled Qwen2.5-Coder-0.5B-Instruct .gguf}"
 : "${DATA:?set DATA to the GSM8K folder (train.jsonl, test.jsonl)}"
 OUT_DIR=${OUT_DIR:-runs_out}
-PORT=${PORT:-29510}
+PORT=${PORT:-${PET_MASTER_PORT:-29510}}  # a sweep (tools.sweep) sets PET_MASTER_PORT per slot
 PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" "${SCRIPT:-grpo.py}" \
   --exp-name grpo_gsm8k_qwen05b --out-dir "$OUT_DIR" --seed 1 \
   --model "$MODEL" --dataset "$DATA" --train-split train --eval-split test \

@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 INSTRUCTION=$(python -c "from common.environments import CALC_INSTRUCTION; print(CALC_INSTRUCTION)")
-PORT=${PORT:-29511} exec bash runs/grpo_gsm8k_qwen05b.sh --exp-name grpo_gsm8k_qwen05b_calculator \
+PORT=${PORT:-${PET_MASTER_PORT:-29511}} exec bash runs/grpo_gsm8k_qwen05b.sh --exp-name grpo_gsm8k_qwen05b_calculator \
   --instruction "Solve the problem step by step. $INSTRUCTION" \
   --env calculator --max-turns 4 --max-episode-tokens 1024 \
   "$@"

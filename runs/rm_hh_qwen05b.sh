@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the Qwen2.5-Coder-0.5B-Instruct .gguf (or an HF folder / hub id)}"
 : "${DATA:?set DATA to HH-RLHF harmless-base test.jsonl.gz (2,312 pairs)}"
 OUT_DIR=${OUT_DIR:-runs_out}
-PORT=${PORT:-29511}
+PORT=${PORT:-${PET_MASTER_PORT:-29511}}  # a sweep (tools.sweep) sets PET_MASTER_PORT per slot
 RM=$OUT_DIR/rm_hh_qwen05b/hf
 PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" rm.py \
   --exp-name rm_hh_qwen05b --out-dir "$OUT_DIR" --seed 1 --model "$MODEL" --dataset "$DATA" \

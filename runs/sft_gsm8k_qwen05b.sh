@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the assembled Qwen2.5-Coder-0.5B-Instruct .gguf}"
 : "${DATA:?set DATA to the GSM8K folder (train.jsonl, test.jsonl)}"
 OUT_DIR=${OUT_DIR:-runs_out}
-PORT=${PORT:-29540}
+PORT=${PORT:-${PET_MASTER_PORT:-29540}}  # a sweep (tools.sweep) sets PET_MASTER_PORT per slot
 INSTR="Solve the problem step by step. Give the final answer as '#### <number>' on the last line."
 EXPORT=$OUT_DIR/sft_gsm8k_qwen05b/policy_hf
 PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" sft.py \

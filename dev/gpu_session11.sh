@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# GPU session 11 driver (dev/gpu_session9.sh with session 11's queue, HH-RLHF harmless data and a shorter kernel bench),
+# run on the device machine from the call's repo root as `bash dev/gpu_session11.sh STEP`. Steps:
+#   site0          snapshot the tree to /tmp/repo-snap, stage vLLM piece 0, install liger, start the kernel bench
+#   site1          stage piece 1, unpack vLLM & co, GSM8K, start the queue (dev/queues/session11.txt)
+#   model I        stage GGUF piece I (0..7); after 7: join, sha256sum -c, convert once, touch /tmp/model.ok
+#   poll SECONDS   wait (returns early when every job has ended), then summary + fetch into $OUT
+#   stop JOB...    SIGTERM the python workers under those queue jobs (by pid), wait, summary + fetch
+set -uo pipefail
+export PYTHONPATH=/tmp/site:/tmp/repo-snap VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \
+  WANDB_MODE=disabled RL_CACHE=/tmp/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false L=/tmp/logs
+S=/tmp/repo-snap LIVE=$PWD SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+mkdir -p $L /tmp/stage /tmp/site /tmp/runs /tmp/assets /tmp/data/gsm8k /tmp/data/hh /tmp/peers
+[ -f .gpu-assets/hh_test.jsonl.gz ] && cp -n .gpu-assets/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
+[ -f dev/queues/session11.txt ] && cp dev/queues/session11.txt /tmp/queue.txt
+for f in .gpu-assets/*.xz; do [ -f "$f" ] && cp -n "$f" /tmp/assets/; done
+
+summary() {
+  echo "== $(date +%T) status"; tail -n 30 $L/status 2>/dev/null
+  python3 - <<'EOF'
+import json, glob
+for p in sorted(glob.glob("/tmp/runs/**/metrics.jsonl", recursive=True)):
+    rows = [json.loads(l) for l in open(p) if l.strip().startswith("{")]
+    ev = [(r["step"], round(100 * r["eval/accuracy"], 2)) for r in rows if "eval/accuracy" in r]
+    tr = [r for r in rows if "perf/step_s" in r or "train/loss" in r]
+    last = tr[-1] if tr else {}
+    keys = ("step", "perf/step_s", "perf/update_s", "reward/mean", "rollout/response_len_mean",
+            "train/explained_variance", "train/loss", "train/token_accuracy", "reward/rm_mean", "reward/rule_mean",
+            "rollout/tool_calls_mean", "rollout/tool_errors", "rollout/logprob_gap_mean", "rollout/logprob_gap_max",
+            "train/tis_weight_mean", "perf/peak_mem_gib", "eval/margin")
+    print(p.split("/tmp/runs/")[1], "eval", ev, "| last", {k: round(v, 3) if isinstance(v, float) else v
+                                                       for k, v in last.items() if k in keys})
+EOF
+  for f in $L/*.log; do echo "-- $(basename $f): $(grep -aE 'Error|error:|Traceback|passed|failed|rc=|OOM|out of memory' $f | tail -n 3 | cut -c1-300)"; done
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; df -h /tmp | tail -1
+}
+
+fetch() {  # logs (tails) + every run's small files, one tarball into $OUT
+  [ -n "${OUT:-}" ] || return 0
+  rm -rf /tmp/f && mkdir -p /tmp/f
+  for x in $L/*.log $L/status $L/queue.out; do [ -f $x ] && tail -c 2000000 $x > /tmp/f/$(basename $x); done
+  (cd /tmp && find runs logs \( -name metrics.jsonl -o -name config.json -o -name samples.jsonl -o -name summary.json \
+      -o -name 'sweep.*' -o -name '*.md' -o -name '*.png' -o -path 'logs/w05-*/*.log' \) -size -15M -print > /tmp/f.list)
+  tar -czf $OUT/s11.tgz -C /tmp f $(cat /tmp/f.list) 2>&1 | tail -n 2; ls -la $OUT
+}
+
+case ${1:-} in
+site0)
+  mkdir -p $S && tar --exclude=./.gpu-site --exclude=./.gpu-model --exclude=./.gpu-assets --exclude=./.git -cf - . \
+    | tar -xf - -C $S && echo "snapshot: $(find $S -type f | wc -l) files"
+  cp .gpu-site/s-0 /tmp/stage/part-00
+  python3 -m pip install -q --no-index --no-deps --target /tmp/peers .gpu-assets/whl/*.whl && echo liger installed
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader; nproc; free -g | head -2
+  df -h /tmp $PWD | tail -2
+  cat > /tmp/bench.sh <<EOF
+cd $S; export PYTHONPATH=/tmp/peers:$S
+echo "\$(date +%T) start k29-bench" >> $L/status
+python3 bench/bench_logprob.py --variants cublas,loss,loss-grpo --budgets-mb 1024 --loss-sub 512,1024 --skip naive > $L/k29-bench.log 2>&1
+echo "\$(date +%T) end k29-bench rc=\$?" >> $L/status
+touch /tmp/bench.done
+EOF
+  (unset OUT; setsid bash /tmp/bench.sh < /dev/null > /dev/null 2>&1 &)
+  sleep 3; cat $L/k29-bench.log
+  ;;
+site1)
+  cp .gpu-site/s-1 /tmp/stage/part-01 && cat /tmp/stage/part-0[01] | tar -xJ -C /tmp/site && rm -f /tmp/stage/part-*
+  for s in train test; do xz -dc /tmp/assets/gsm8k_$s.jsonl.xz > /tmp/data/gsm8k/$s.jsonl; done; wc -l /tmp/data/gsm8k/*
+  python3 -c "import vllm, tyro, datasets, math_verify; print('vllm', vllm.__version__)"
+  cd $S && (unset OUT; setsid python3 dev/gpu_queue.py /tmp/queue.txt > $L/queue.out 2>&1 < /dev/null &)
+  sleep 2; summary
+  ;;
+model)
+  cp .gpu-model/q-$2 /tmp/stage/ && ls /tmp/stage
+  if [ "$2" = 7 ]; then
+    cat /tmp/stage/q-{0..7} > /tmp/qwen.gguf && echo "$SHA  /tmp/qwen.gguf" | sha256sum -c && rm -f /tmp/stage/q-* \
+      && cd $S && python3 -c "from common.models import resolve_model as r; print(r('/tmp/qwen.gguf'))" \
+      && touch /tmp/model.ok && echo MODEL OK
+  fi
+  summary
+  ;;
+poll)
+  end=$((SECONDS + $2))
+  busy() { [ ! -f $L/all.done ] || [ ! -f /tmp/bench.done ]; }
+  while [ $SECONDS -lt $end ] && busy; do sleep 5; done
+  summary; fetch
+  ;;
+stop)  # stop JOB...: SIGTERM the python worker(s) under the job (not torchrun: it SIGKILLs after 30 s), by pid
+  shift; fetch
+  desc() { for c in $(pgrep -P $1); do echo $c; desc $c; done; }
+  for job in "$@"; do [ -f $L/$job.pgid ] || continue; for p in $(desc $(cat $L/$job.pgid)); do
+    a=$(ps -o args= -p $p); case "$a" in *torchrun*|*torch.distributed.run*) ;;
+      *python*.py*) echo "SIGTERM $job $p: ${a:0:100}"; kill -TERM $p ;; esac; done; done
+  end=$((SECONDS + ${STOP_WAIT:-45}))
+  while [ $SECONDS -lt $end ] && [ "$(grep -c ' start ' $L/status)" -gt "$(grep -c ' end ' $L/status)" ]; do sleep 3; done
+  summary; fetch
+  ;;
+*) echo "usage: $0 site0|site1|model I|poll SECONDS|stop PATTERN..."; exit 2 ;;
+esac

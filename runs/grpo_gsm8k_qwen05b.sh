@@ -10,14 +10,17 @@
 # 64 prompts x 8 samples per step, 2 mini-batches (2 optimiser steps per rollout, so the clip and the old-log-prob
 # pass matter), token-mean loss, clip 0.2 / 0.28 (DAPO clip-higher), no KL (no reference model), lr 2e-6 constant
 # after 5 warm-up steps; reward = correctness (math-verify) alone, --format-coef 0 (the evaluation counts correctness
-# alone; the instruction still asks for '#### <number>'). Checkpoints every 25 steps (--resume latest continues on
-# the same machine).
+# alone; the instruction still asks for '#### <number>'); truncated importance sampling at 2.0 with the engine's
+# log-probs every step (--tis-cap 2.0 --engine-logprobs-every 1), seed 2. Checkpoints every 25 steps (--resume
+# latest continues on the same machine).
 # --vllm.sleep-level 0 (engine resident): session 8 ran it beside other jobs on the same GPU, where vLLM's sleep
 # asserts 'Memory usage increased after sleeping' (it measures the whole device's free memory).
-# Measured (GPU session 9, 2026-12-01, 1 H200, --format-coef 0): 26.99 % -> 40.64 % in 100 steps, 9.1 s/step (GPU
-# shared with PPO); docs/grpo.md, docs/results/grpo_gsm8k_qwen05b_nofmt. Session 8's run used --format-coef 0.1
-# (26.99 % -> 40.11 %, a collapse to bare '#### n' answers at steps 7-20; docs/results/grpo_gsm8k_qwen05b):
-# pass --format-coef 0.1 to reproduce it.
+# Measured (GPU session 11, 2026-12-01, 1 H200 shared with a second GRPO run): 26.99 % -> 43.97 % in 100 steps
+# (+16.98), 10.7 s/step median; docs/grpo.md "Results", docs/results/grpo_lr_seed2/lr=2e-6 (run there as a
+# tools.sweep cell with --save-every 0 --no-fused-loss). The same recipe at --seed 1 --tis-cap 0
+# --engine-logprobs-every 10 (GPU session 9): 26.99 % -> 40.64 % (+13.65), docs/results/grpo_gsm8k_qwen05b_nofmt.
+# Session 8's run used --format-coef 0.1 (26.99 % -> 40.11 %, a collapse to bare '#### n' answers at steps 7-20;
+# docs/results/grpo_gsm8k_qwen05b): pass --format-coef 0.1 --seed 1 --tis-cap 0 to reproduce it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the assembled Qwen2.5-Coder-0.5B-Instruct .gguf}"
@@ -25,7 +28,7 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-runs_out}
 PORT=${PORT:-${PET_MASTER_PORT:-29510}}  # a sweep (tools.sweep) sets PET_MASTER_PORT per slot
 PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" "${SCRIPT:-grpo.py}" \
-  --exp-name grpo_gsm8k_qwen05b --out-dir "$OUT_DIR" --seed 1 \
+  --exp-name grpo_gsm8k_qwen05b --out-dir "$OUT_DIR" --seed 2 \
   --model "$MODEL" --dataset "$DATA" --train-split train --eval-split test \
   --instruction "Solve the problem step by step. Give the final answer as '#### <number>' on the last line." \
   --chat-template --max-prompt-tokens 256 --max-new-tokens 512 \
@@ -33,7 +36,7 @@ PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" "${SCRIP
   --prompts-per-step 64 --group-size 8 --num-minibatches 2 --num-epochs 1 \
   --temperature 1.0 --top-p 1.0 --top-k 0 \
   --reward-fn math --format-coef 0 --scale-by-std --loss-agg token-mean --no-dynamic-sampling --overlong none \
-  --clip-eps-low 0.2 --clip-eps-high 0.28 --kl-coef 0.0 --entropy-coef 0.0 --tis-cap 0.0 --engine-logprobs-every 10 \
+  --clip-eps-low 0.2 --clip-eps-high 0.28 --kl-coef 0.0 --entropy-coef 0.0 --tis-cap 2.0 --engine-logprobs-every 1 \
   --lr 2e-6 --lr-schedule constant --warmup-steps 5 --weight-decay 0.0 --adam-betas 0.9 0.99 --max-grad-norm 1.0 \
   --max-tokens-per-microbatch 16384 --max-tokens-per-forward 0 \
   --rollout vllm --logprob-impl auto --attn-impl varlen \

@@ -4,7 +4,7 @@ import re
 
 from conftest import ROOT
 
-CITED = re.compile(r"docs/results/[A-Za-z0-9_./-]+")
+CITED = re.compile(r"docs/results/[A-Za-z0-9_.=/-]+")  # "=": tools.sweep names cells key=value
 IN_TABLE = re.compile(r"(?<![\w/.])(session\d+/[A-Za-z0-9_./-]+)")  # the tables' "raw file (docs/results/)" column
 
 

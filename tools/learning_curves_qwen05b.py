@@ -1,5 +1,5 @@
-"""Draws docs/results/qwen05b_gsm8k_curves.png (issue 19) from the runs in docs/results/: GRPO --format-coef 0
-(session 9), GRPO --format-coef 0.1 (session 8, faint), PPO (session 9, stopped after step 77), DPO (session 8) and the
+"""Draws docs/results/qwen05b_gsm8k_curves.png (issue 19) from the runs in docs/results/: GRPO, the recipe at seed 2
+with --tis-cap 2.0 (session 11), GRPO at seed 1 (session 9), GRPO --format-coef 0.1 (session 8, faint), PPO (session 9, stopped after step 77), DPO (session 8) and the
 SFT warm start's starting point (session 9): test accuracy and mean response length against sampled sequences.
     python3 -m tools.learning_curves_qwen05b"""
 import json
@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt
 R = Path(__file__).resolve().parent.parent / "docs" / "results"
 SEQ = 512  # sampled sequences per step (GRPO 64 x 8, PPO 512 x 1)
 RUNS = [  # (label, run folder, marker style, colour, faint)
-    ("GRPO, --format-coef 0 (session 9)", "grpo_gsm8k_qwen05b_nofmt", "o-", "C0", False),
+    ("GRPO, recipe, seed 2, --tis-cap 2 (session 11)", "grpo_lr_seed2/lr=2e-6", "o-", "C0", False),
+    ("GRPO, recipe, seed 1 (session 9)", "grpo_gsm8k_qwen05b_nofmt", "o--", "C5", False),
     ("GRPO, --format-coef 0.1 (session 8)", "grpo_gsm8k_qwen05b", "o:", "C1", True),
     ("PPO (session 9, stopped)", "ppo_gsm8k_qwen05b", "s-", "C2", False),
 ]

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# GPU session 11 driver (dev/gpu_session9.sh with session 11's queue, HH-RLHF harmless data and a shorter kernel bench),
-# run on the device machine from the call's repo root as `bash dev/gpu_session11.sh STEP`. Steps:
+# Driver of a GPU session with the Qwen2.5-Coder-0.5B GGUF (sessions 9 and 11; session 9's copy is in git history),
+# run on the device machine from the call's repo root as `QUEUE=dev/queues/X.txt bash dev/gpu_qwen.sh STEP`
+# (default queue dev/queues/next.txt; later calls keep the first call's QUEUE; every call copies that file to
+# /tmp/queue.txt, so edits reach the runner). Carry
+# limit 64 MiB a call with the tree: site0 carries .gpu-site/s-0 + .gpu-assets/whl; site1 .gpu-site/s-1 + the two
+# .gpu-assets/gsm8k_*.jsonl.xz; model 0 .gpu-model/q-0 + .gpu-assets/hh_test.jsonl.gz; model I .gpu-model/q-I. Steps:
 #   site0          snapshot the tree to /tmp/repo-snap, stage vLLM piece 0, install liger, start the kernel bench
-#   site1          stage piece 1, unpack vLLM & co, GSM8K, start the queue (dev/queues/session11.txt)
+#   site1          stage piece 1, unpack vLLM & co, GSM8K, start the queue ($QUEUE)
 #   model I        stage GGUF piece I (0..7); after 7: join, sha256sum -c, convert once, touch /tmp/model.ok
 #   poll SECONDS   wait (returns early when every job has ended), then summary + fetch into $OUT
 #   stop JOB...    SIGTERM the python workers under those queue jobs (by pid), wait, summary + fetch
@@ -13,7 +17,10 @@ export PYTHONPATH=/tmp/site:/tmp/repo-snap VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_EN
 S=/tmp/repo-snap LIVE=$PWD SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 mkdir -p $L /tmp/stage /tmp/site /tmp/runs /tmp/assets /tmp/data/gsm8k /tmp/data/hh /tmp/peers
 [ -f .gpu-assets/hh_test.jsonl.gz ] && cp -n .gpu-assets/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
-[ -f dev/queues/session11.txt ] && cp dev/queues/session11.txt /tmp/queue.txt
+# the queue named in the first call that names one is kept for the session's later calls (/tmp/queue.path)
+if [ -n "${QUEUE:-}" ]; then echo "$QUEUE" > /tmp/queue.path; fi
+QUEUE=$(cat /tmp/queue.path 2>/dev/null || echo dev/queues/next.txt)
+[ -f "$QUEUE" ] && cp "$QUEUE" /tmp/queue.txt
 for f in .gpu-assets/*.xz; do [ -f "$f" ] && cp -n "$f" /tmp/assets/; done
 
 summary() {

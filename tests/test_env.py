@@ -2,13 +2,14 @@
 parser, the episode driver on a scripted engine (the loss mask of a hand-built two-turn episode, token-in/token-out,
 the turn and token caps), environment failures counted like reward failures, and the batch's mask and metrics."""
 import math
+import re
 
 import pytest
 import torch
 
 from common.data import PromptExample
 from common.env import EnvRunner, Observation, load_env, run_episodes
-from common.environments import CalcError, Calculator, TryAgain, safe_eval
+from common.environments import CALC_INSTRUCTION, CalcError, Calculator, TryAgain, safe_eval
 from common.rewards import math_reward
 from common.rollout import Rollout, merge_rollouts, rollout_metrics, score_rollout
 
@@ -273,3 +274,10 @@ def test_make_env_checks_the_flags(tokenizer):
             make_env(replace(base, **change), tokenizer)
     with pytest.raises(ValueError, match="tensor-parallel"):
         make_env(replace(base, rollout="vllm", vllm=replace(base.vllm, tensor_parallel_size=2)), tokenizer)
+
+
+def test_the_instructions_worked_example_is_what_the_calculator_answers():
+    """The prompt shows the model one call and its result; the environment must answer that call with that text."""
+    m = re.search(r"(<calc>[^<]*</calc>) gives (<result>[^<]*</result>)", CALC_INSTRUCTION)
+    assert m, CALC_INSTRUCTION
+    assert Calculator().step([], "Let me compute " + m.group(1), None).text == m.group(2)

@@ -188,6 +188,13 @@ def test_parallel_cells_get_disjoint_gpus_and_ports(tmp_path):
     assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]  # the first two cells ran at the same time
 
 
+def test_a_gpu_given_twice_is_two_slots_on_it():
+    """--gpus 0,0 --gpus-per-cell 1 runs two cells side by side on one GPU (GPU session 11's ablation)."""
+    assert S.gpu_slots("0,0", 1) == ["0", "0"]
+    assert S.gpu_slots("0,1,0,1", 2) == ["0,1", "0,1"]
+    assert S.gpu_slots("", 0) == [None]  # no --gpus-per-cell: one after another, environment unchanged
+
+
 def test_bad_input_is_refused(tmp_path):
     p = run_sweep(sweep_cmd(tmp_path, grid=("seed1,2",)))
     assert p.returncode != 0 and "KEY=V1,V2" in p.stderr

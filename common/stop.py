@@ -7,9 +7,12 @@
             save_checkpoint(...); break
     exit_if_stopped(stop)       # last line of main: exit 143 when a signal stopped the run
 
+`kill -USR1 <pid>` of a worker prints where each of its threads is (Python stacks, to stderr) without stopping it.
+
 A run stopped this way exits with STOPPED_EXIT_CODE (143 = 128 + SIGTERM), so a scheduler can tell a pre-empted run
 (checkpoint written: resume it) from a finished one (exit 0). docs/checkpoints.md, "Clean stops".
 """
+import faulthandler
 import os
 import signal
 import sys
@@ -40,6 +43,8 @@ def install_stop_handler() -> StopFlag:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr and the run goes on: where a stalled step is
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     return flag
 
 

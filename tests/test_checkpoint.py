@@ -84,6 +84,18 @@ def test_stop_flag():
             signal.signal(s, h)
 
 
+def test_sigusr1_prints_stacks_and_the_run_goes_on():
+    """A stalled step can be located: SIGUSR1 to a worker prints its threads' Python stacks and does not stop it."""
+    code = ("import os, signal, sys, time\nfrom common.stop import install_stop_handler\nflag = install_stop_handler()\n"
+            "def stalled_step():\n    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.5)\n"
+            "stalled_step()\nprint('still running', flag.requested, flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "most recent call first" in r.stderr and "in stalled_step" in r.stderr, r.stderr
+    assert r.stdout.strip() == "still running False"
+
+
 def test_set_deterministic():
     set_deterministic(True)
     try:

@@ -3,13 +3,17 @@
 # run on the device machine from the call's repo root as `QUEUE=dev/queues/X.txt bash dev/gpu_qwen.sh STEP`
 # (default queue dev/queues/next.txt; later calls keep the first call's QUEUE; every call copies that file to
 # /tmp/queue.txt, so edits reach the runner). Carry
-# limit 64 MiB a call with the tree: site0 carries .gpu-site/s-0 + .gpu-assets/whl; site1 .gpu-site/s-1 + the two
-# .gpu-assets/gsm8k_*.jsonl.xz; model 0 .gpu-model/q-0 + .gpu-assets/hh_test.jsonl.gz; model I .gpu-model/q-I. Steps:
+# limit 64 MiB a call with the tree (5.2 MB in session 12): site0 carries .gpu-site/s-0; then one `poll 1` call carries
+# .gpu-assets (every call copies its *.xz to /tmp/assets; liger is installed from /tmp/assets/whl when the bench
+# starts); site1 .gpu-site/s-1; model I .gpu-model/q-I. Steps:
 #   site0          snapshot the tree to /tmp/repo-snap, stage vLLM piece 0, install liger, start the kernel bench
 #   site1          stage piece 1, unpack vLLM & co, GSM8K, start the queue ($QUEUE)
 #   model I        stage GGUF piece I (0..7); after 7: join, sha256sum -c, convert once, touch /tmp/model.ok
 #   poll SECONDS   wait (returns early when every job has ended), then summary + fetch into $OUT
 #   stop JOB...    SIGTERM the python workers under those queue jobs (by pid), wait, summary + fetch
+#   dump JOB...    SIGUSR1 those workers (common/stop.py: every thread's Python stack to the job's log), show it
+#   resnap         copy the call's tree to /tmp/repo-snap2 (jobs added later `cd` there for newer code)
+# BENCH=1 on site0 starts the kernel bench (bench/bench_logprob.py) while the rest stages.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/repo-snap VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \
@@ -22,6 +26,7 @@ if [ -n "${QUEUE:-}" ]; then echo "$QUEUE" > /tmp/queue.path; fi
 QUEUE=$(cat /tmp/queue.path 2>/dev/null || echo dev/queues/next.txt)
 [ -f "$QUEUE" ] && cp "$QUEUE" /tmp/queue.txt
 for f in .gpu-assets/*.xz; do [ -f "$f" ] && cp -n "$f" /tmp/assets/; done
+[ -d .gpu-assets/whl ] && mkdir -p /tmp/assets/whl && cp -n .gpu-assets/whl/*.whl /tmp/assets/whl/
 
 summary() {
   echo "== $(date +%T) status"; tail -n 30 $L/status 2>/dev/null
@@ -49,7 +54,14 @@ fetch() {  # logs (tails) + every run's small files, one tarball into $OUT
   for x in $L/*.log $L/status $L/queue.out; do [ -f $x ] && tail -c 2000000 $x > /tmp/f/$(basename $x); done
   (cd /tmp && find runs logs \( -name metrics.jsonl -o -name config.json -o -name samples.jsonl -o -name summary.json \
       -o -name 'sweep.*' -o -name '*.md' -o -name '*.png' -o -path 'logs/w05-*/*.log' \) -size -15M -print > /tmp/f.list)
-  tar -czf $OUT/s11.tgz -C /tmp f $(cat /tmp/f.list) 2>&1 | tail -n 2; ls -la $OUT
+  tar -czf $OUT/s12.tgz -C /tmp f $(cat /tmp/f.list) 2>&1 | tail -n 2; ls -la $OUT
+}
+
+desc() { for c in $(pgrep -P $1); do echo $c; desc $c; done; }
+workers() {  # the python workers (not torchrun) under queue job $1
+  [ -f $L/$1.pgid ] || return 0
+  for p in $(desc $(cat $L/$1.pgid)); do a=$(ps -o args= -p $p)
+    case "$a" in *torchrun*|*torch.distributed.run*) ;; *python*.py*) echo $p ;; esac; done
 }
 
 case ${1:-} in
@@ -57,18 +69,18 @@ site0)
   mkdir -p $S && tar --exclude=./.gpu-site --exclude=./.gpu-model --exclude=./.gpu-assets --exclude=./.git -cf - . \
     | tar -xf - -C $S && echo "snapshot: $(find $S -type f | wc -l) files"
   cp .gpu-site/s-0 /tmp/stage/part-00
-  python3 -m pip install -q --no-index --no-deps --target /tmp/peers .gpu-assets/whl/*.whl && echo liger installed
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader; nproc; free -g | head -2
   df -h /tmp $PWD | tail -2
   cat > /tmp/bench.sh <<EOF
 cd $S; export PYTHONPATH=/tmp/peers:$S
+python3 -m pip install -q --no-index --no-deps --target /tmp/peers /tmp/assets/whl/*.whl
 echo "\$(date +%T) start k29-bench" >> $L/status
 python3 bench/bench_logprob.py --variants cublas,loss,loss-grpo --budgets-mb 1024 --loss-sub 512,1024 --skip naive > $L/k29-bench.log 2>&1
 echo "\$(date +%T) end k29-bench rc=\$?" >> $L/status
 touch /tmp/bench.done
 EOF
-  (unset OUT; setsid bash /tmp/bench.sh < /dev/null > /dev/null 2>&1 &)
-  sleep 3; cat $L/k29-bench.log
+  if [ "${BENCH:-0}" = 1 ]; then (unset OUT; setsid bash /tmp/bench.sh < /dev/null > /dev/null 2>&1 &)
+  else touch /tmp/bench.done; fi
   ;;
 site1)
   cp .gpu-site/s-1 /tmp/stage/part-01 && cat /tmp/stage/part-0[01] | tar -xJ -C /tmp/site && rm -f /tmp/stage/part-*
@@ -94,7 +106,6 @@ poll)
   ;;
 stop)  # stop JOB...: SIGTERM the python worker(s) under the job (not torchrun: it SIGKILLs after 30 s), by pid
   shift; fetch
-  desc() { for c in $(pgrep -P $1); do echo $c; desc $c; done; }
   for job in "$@"; do [ -f $L/$job.pgid ] || continue; for p in $(desc $(cat $L/$job.pgid)); do
     a=$(ps -o args= -p $p); case "$a" in *torchrun*|*torch.distributed.run*) ;;
       *python*.py*) echo "SIGTERM $job $p: ${a:0:100}"; kill -TERM $p ;; esac; done; done
@@ -102,5 +113,15 @@ stop)  # stop JOB...: SIGTERM the python worker(s) under the job (not torchrun: 
   while [ $SECONDS -lt $end ] && [ "$(grep -c ' start ' $L/status)" -gt "$(grep -c ' end ' $L/status)" ]; do sleep 3; done
   summary; fetch
   ;;
-*) echo "usage: $0 site0|site1|model I|poll SECONDS|stop PATTERN..."; exit 2 ;;
+dump)
+  shift; for job in "$@"; do for p in $(workers $job); do kill -USR1 $p && echo "SIGUSR1 $job $p"; done; done
+  sleep 3; for job in "$@"; do echo "== $job"; tail -n 60 $L/$job.log | cut -c1-200; done
+  summary
+  ;;
+resnap)
+  rm -rf /tmp/repo-snap2 && mkdir -p /tmp/repo-snap2 && tar --exclude=./.gpu-site --exclude=./.gpu-model \
+    --exclude=./.gpu-assets --exclude=./.git -cf - . | tar -xf - -C /tmp/repo-snap2 && echo "snap2: $(git log --oneline -1 2>/dev/null)"
+  summary
+  ;;
+*) echo "usage: $0 site0|site1|model I|poll SECONDS|stop JOB...|dump JOB...|resnap"; exit 2 ;;
 esac

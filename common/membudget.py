@@ -75,6 +75,13 @@ def update_reserve_bytes(models, optimizers, param_dtype_bytes: int, whole_gathe
     return reserve + max(temps, int(gathered))
 
 
+def gpu_memory(device) -> tuple[int, int]:
+    """(free bytes, total bytes) of the GPU: the driver's free memory plus what torch's caching allocator holds
+    but does not use (it is ours to reuse)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+
+
 def resolve_microbatch(args, config, models: list, optimizers: list, plan, d, perf: dict) -> None:
     """--max-tokens-per-microbatch 0: set it (and so the forward budget) from the memory free now, once; log it to
     perf["max_tokens_per_microbatch"] and print one line on rank 0. A positive value is left alone. Every rank must
@@ -86,15 +93,14 @@ def resolve_microbatch(args, config, models: list, optimizers: list, plan, d, pe
         args.max_tokens_per_microbatch = max(CPU_BUDGET, math.ceil(longest / 1024) * 1024)
         perf["max_tokens_per_microbatch"] = args.max_tokens_per_microbatch
         return
-    free, total = torch.cuda.mem_get_info(d.device)
-    free += torch.cuda.memory_reserved(d.device) - torch.cuda.memory_allocated(d.device)
-    fused = args.logprob_impl == "fused" or (args.logprob_impl == "auto" and d.device.type == "cuda")
+    free, total = gpu_memory(d.device)
+    fused = args.logprob_impl in ("fused", "auto")  # auto: the fused kernel on a GPU
     per_token = activation_bytes_per_token(config, plan.param_dtype.itemsize, args.fsdp.activation_checkpointing,
                                            fused, len(models))
     reserve = update_reserve_bytes(models, optimizers, plan.param_dtype.itemsize,
                                    plan.unit == "model" or plan.keep_gathered, config.num_hidden_layers)
     budget, floored = budget_from_memory(free, total, reserve, per_token, longest)
-    budget = int(D.all_reduce(torch.tensor(budget, device=d.device), op="min"))
+    budget = int(D.all_reduce(budget, op="min"))  # every rank cuts the same number of micro-batches
     if floored:
         warnings.warn(f"--max-tokens-per-microbatch 0 (auto): {free / GiB:.1f} GiB free holds fewer tokens than one "
                       f"sequence ({longest}) by the estimate ({per_token / 2**20:.2f} MiB/token + "

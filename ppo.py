@@ -65,8 +65,8 @@ from common.perf import perf_metrics
 from common.progress import show_phase
 from common.reward_model import rollout_reward_model
 from common.rewards import load_reward_fn, with_workers
-from common.rl_setup import (check_geometry, load_policy, load_prompt_splits, resolve_model_once, resume_run,
-                             rollout_engine, start_tracking)
+from common.rl_setup import (check_geometry, load_policy, load_prompt_splits, resolve_microbatch, resolve_model_once,
+                             resume_run, rollout_engine, start_tracking)
 from common.rollout import RolloutBatch, gather_rollout, generate, log_step, rollout_metrics, score_rollout, sync_engine
 from common.run_dir import claim_run_dir
 from common.stop import install_stop_handler
@@ -126,8 +126,8 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     """mini-batches (optimiser steps) per epoch over the rollout"""
     num_epochs: int = 2
     """passes over each rollout"""
-    max_tokens_per_microbatch: int = 4096
-    """token budget of one packed forward/backward per rank (gradient accumulation follows from it)"""
+    max_tokens_per_microbatch: int = 0
+    """token budget of one packed forward/backward per rank; 0: auto, from the free GPU memory (docs/performance.md)"""
     max_tokens_per_forward: int = 0
     """token budget of one packed forward without gradient (reference and old log-probs, old values); 0: 4 x
     --max-tokens-per-microbatch (nothing is kept for a backward, so larger passes fit: fewer launches per token)"""
@@ -439,6 +439,7 @@ def main(args: Args) -> None:
                                                            args.format_coef, width, perf)  # (B_rank,) each
         if rm:  # r = rule_coef * (task + format) + reward_model_coef * RM score (running-normalised: --reward-norm)
             rm.mix(part, prompt_texts, texts, perf)
+        resolve_microbatch(args, lm.config, [policy, critic], [optimizer, critic_optimizer], plan, d, perf)  # 0: once
         if ref_early:  # a whole reference per rank: score this rank's rollout now, while slower ranks still generate
             with timed(perf, "ref_logp"):
                 part.ref_logp = rollout_logprobs(ref, part.prompt_ids, part.response_ids, args.forward_token_budget,

@@ -221,7 +221,8 @@ def main():
     ap.add_argument("--attn-impl", default=None, help="grpo --attn-impl, a list runs each (default: varlen if "
                     "grpo.py registers it, else sdpa)")
     ap.add_argument("--num-steps", type=int, default=4)
-    ap.add_argument("--max-tokens-per-microbatch", type=int, default=16384)
+    ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                    help="grpo --max-tokens-per-microbatch (default: none passed, grpo.py's auto budget)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU")
     ap.add_argument("--grpo-extra", default="", help="more grpo.py flags, one string")
     ap.add_argument("--fused-loss", default=None, help="grpo --fused-loss (on) / --no-fused-loss (off); a list runs "
@@ -281,9 +282,10 @@ def main():
                        "--temperature", "1.0", "--lr", "1e-6",  # as TRL's and verl's runs (timing-neutral: ignore_eos)
                        "--num-steps", str(a.num_steps), "--eval-every", "0", "--log-samples-every", "0",
                        "--rollout", "vllm", "--reward-fn", "bench.w05:reward", "--attn-impl", attn,
-                       "--max-tokens-per-microbatch", str(a.max_tokens_per_microbatch),
                        "--vllm.max-num-seqs", "512", "--vllm.gpu-memory-utilization", str(a.gpu_memory_utilization),
                        "--out-dir", str(out), "--exp-name", name] + a.grpo_extra.split() \
+                    + (["--max-tokens-per-microbatch", str(a.max_tokens_per_microbatch)]
+                       if a.max_tokens_per_microbatch else []) \
                     + {None: [], "on": ["--fused-loss"], "off": ["--no-fused-loss"]}[fl]
                 r = run_sub(name, cmd, out, a.timeout)
                 r |= {"kind": "grpo", "nproc": n, "attn": attn, "round": k, "fused_loss": fl,

@@ -16,6 +16,7 @@ from common.data import DEFAULT_INSTRUCTION
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs
 from common.lora import LoraArgs
+from common.membudget import CPU_BUDGET
 from common.vllm_engine import VLLMArgs
 
 
@@ -223,7 +224,10 @@ class RLArgs(RunArgs):
 
     @property
     def forward_token_budget(self) -> int:
-        return self.max_tokens_per_forward or 4 * self.max_tokens_per_microbatch
+        """--max-tokens-per-forward, or 4 x the micro-batch budget; before --max-tokens-per-microbatch 0 (auto) is
+        resolved at the first update (common/membudget.py), 4 x its CPU value (the reward model's scorer, set up
+        before: it keeps the old default)."""
+        return self.max_tokens_per_forward or 4 * (self.max_tokens_per_microbatch or CPU_BUDGET)
 
     @property
     def response_width(self) -> int:

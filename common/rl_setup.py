@@ -13,13 +13,14 @@ from common.attention import describe
 from common.data import build_prompts, load_rows
 from common.env import make_env
 from common.fsdp import place_frozen, shard
+from common.membudget import resolve_microbatch  # noqa: F401  the scripts' one lazy setup step (at the first update)
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.rollout import make_engine
 from common.tracking import make_tracker, print_table, to_dict
 
 
 SIZES = (("num_steps", 0), ("prompts_per_step", 1), ("eval_size", 0), ("eval_n", 0), ("max_prompt_tokens", 1),
-         ("max_new_tokens", 1), ("num_minibatches", 1), ("num_epochs", 1), ("max_tokens_per_microbatch", 1),
+         ("max_new_tokens", 1), ("num_minibatches", 1), ("num_epochs", 1), ("max_tokens_per_microbatch", 0),
          ("max_tokens_per_forward", 0), ("lr", 0), ("warmup_steps", 0), ("keep_last", 1),
          ("kl_horizon", 1))  # (flag, least value)
 
@@ -57,11 +58,11 @@ def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
         raise ValueError(f"--temperature {args.temperature}: training samples and scores log-probs at this temperature, "
                          "so it must be > 0 (evaluation is already greedy)")
     longest = args.max_prompt_tokens + args.response_width  # a prompt and a completion (--env: and an episode)
-    if args.max_tokens_per_microbatch < longest:
+    if 0 < args.max_tokens_per_microbatch < longest:  # 0 (auto) is sized at the first update, at least `longest`
         raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
                          f"sequence (--max-prompt-tokens + {'--max-episode-tokens' if args.env else '--max-new-tokens'}"
                          f" = {longest}); raise it")
-    if args.forward_token_budget < longest:
+    if args.max_tokens_per_forward and args.forward_token_budget < longest:
         raise ValueError(f"--max-tokens-per-forward {args.max_tokens_per_forward} is smaller than one sequence "
                          f"({longest} tokens); raise it, or 0 for the default")
 
@@ -69,15 +70,18 @@ def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
 def geometry_rows(args, world_size: int, device) -> dict:
     """The derived batch geometry of grpo.py / ppo.py `args`, for the table printed at start."""
     seqs_per_rank_mb = args.sequences_per_minibatch / world_size
+    auto = "auto (resolved at the first update)"
+    mb = args.max_tokens_per_microbatch
     return {
         "prompts / rank": args.prompts_per_step // world_size,
         "mini-batches x epochs": f"{args.num_minibatches} x {args.num_epochs}",
         "optimiser steps / rollout": args.optimizer_steps_per_rollout,
         "sequences / mini-batch / rank": seqs_per_rank_mb,
-        "micro-batch token budget": args.max_tokens_per_microbatch,
-        "no-grad forward token budget": args.forward_token_budget,
+        "micro-batch token budget": mb or auto,
+        "no-grad forward token budget": args.forward_token_budget if mb or args.max_tokens_per_forward else
+        f"4 x micro-batch, {auto}",
         "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.response_width)
-                                                    / args.max_tokens_per_microbatch),
+                                                    / mb) if mb else auto,
         "trainer attention": describe(device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
     }
 

@@ -120,7 +120,7 @@ BAD = [(grpo, dict(max_new_tokens=0), "--max-new-tokens 0: must be >= 1"),
        (grpo, dict(eval_size=-1), "--eval-size -1"),
        (grpo, dict(num_steps=-1), "--num-steps -1"),
        (grpo, dict(num_minibatches=0), "--num-minibatches 0"),
-       (grpo, dict(max_tokens_per_microbatch=0), "--max-tokens-per-microbatch 0"),
+       (grpo, dict(max_tokens_per_microbatch=-1), "--max-tokens-per-microbatch -1"),  # 0 is auto
        (grpo, dict(lr=-1e-6), "--lr -1e-06"),
        (grpo, dict(lr=float("nan")), "--lr nan"),
        (grpo, dict(kl_estimator="k4"), "--kl-estimator 'k4'"),

@@ -258,9 +258,10 @@ def main():
     todo = set(a.only.split(",")) | ({"trl"} if a.trl else set()) | ({"verl"} if a.verl else set())
     nprocs = [int(n) for n in a.nproc.split(",")]
     attns = (a.attn_impl or default_attn()).split(",")
-    fused = a.fused_loss.split(",") if a.fused_loss else [None]
-    if not set(fused) <= {"on", "off"}:
-        ap.error(f"--fused-loss {a.fused_loss}: give on, off or both (on,off)")
+    try:
+        fused = fused_variants(a.fused_loss)
+    except ValueError as e:
+        ap.error(str(e))
     py = sys.executable
     results = {"shape": a.shape, "argv": sys.argv, "runs": []}
 
@@ -323,6 +324,14 @@ def main():
         results["runs"].append(r | {"kind": "verl", "nproc": 1, **(grep_json(r["tail"], "VERL_W05") or {})})
 
     report(results, out)
+
+
+def fused_variants(flag: str | None) -> list[str | None]:
+    """--fused-loss as sub-run variants: None (not given: grpo.py's own default, one run), or a list of on/off."""
+    fused = flag.split(",") if flag else [None]
+    if flag and not set(fused) <= {"on", "off"}:
+        raise ValueError(f"--fused-loss {flag}: give on, off or both (on,off)")
+    return fused
 
 
 def scaling_lines(runs: list[dict]) -> list[str]:

@@ -1,7 +1,9 @@
 """bench/w05.py's summaries (CPU): which steps count as warm, and the 1 -> N GPU scaling over interleaved rounds."""
 import json
 
-from bench.w05 import fused_loss_lines, grpo_summary, pool_lines, scaling_lines
+import pytest
+
+from bench.w05 import fused_loss_lines, fused_variants, grpo_summary, pool_lines, scaling_lines
 
 
 def test_grpo_summary_drops_step_zero_and_the_profiled_step(tmp_path):
@@ -68,3 +70,11 @@ def test_pair_scan_measures_every_ordered_pair():
     assert set(ratios) == {(cpus[0], cpus[1]), (cpus[1], cpus[0])}
     assert all(0.2 < r < 5 for r in ratios.values())  # a time ratio, not a time or a count
     assert os.sched_getaffinity(0) >= set(cpus)  # the scan gives the process its CPUs back
+
+
+def test_fused_variants_default_is_one_run_with_grpo_defaults():
+    """Without --fused-loss the bench runs grpo.py once with its own default (session 12's 7B run died on this)."""
+    assert fused_variants(None) == [None] and fused_variants("") == [None]
+    assert fused_variants("off,on") == ["off", "on"]
+    with pytest.raises(ValueError, match="give on, off or both"):
+        fused_variants("yes")

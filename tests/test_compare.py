@@ -102,3 +102,23 @@ def test_a_key_older_runs_lack_is_not_a_difference():
     new = {"seed": 1, "format_coef": 0.0, "fused_loss": False, "env": ""}
     assert K.differing_keys([old, new]) == ["format_coef"]
     assert K.differing_keys([old, new | {"fused_loss": True}, new]) == ["format_coef", "fused_loss"]
+
+
+def test_labels_max_step_and_one_colour_per_curve(tmp_path):
+    """Named curves, runs cut at a step (equal samples: the table's final value is the last row at or before it), and
+    a curve keeps its colour in every panel even where an earlier curve has no data."""
+    make_run(tmp_path, "x", "token-mean", 1, [0.1, 0.2, 0.3, 0.9], [0.0, 0.5], lr=1e-6)
+    y = make_run(tmp_path, "y", "token-mean", 1, [0.1, 0.4], [0.0, 0.7], lr=3e-6)
+    with open(y / "metrics.jsonl", "a") as f:  # a metric only the second run logs
+        f.write(json.dumps({"step": 1, "rollout/tool_calls_mean": 0.25}) + "\n")
+    fig, md = K.compare([str(tmp_path / "x"), str(y)], ["reward/mean", "rollout/tool_calls_mean"], x="step",
+                        labels=["plain", "tool"], max_step=2)
+    got = curves(fig.axes[0])
+    assert got == {"plain": ([0, 1, 2], [0.1, 0.2, 0.3]), "tool": ([0, 1], [0.1, 0.4])}  # x's step 3 is cut
+    (tool_line,) = fig.axes[1].lines
+    assert tool_line.get_label() == "tool" and tool_line.get_color() == fig.axes[0].lines[1].get_color()
+    assert md.splitlines()[0] == "| run | runs | reward/mean | rollout/tool_calls_mean |"
+    assert "| plain | 1 | 0.3 | n/a |" in md and "| tool | 1 | 0.4 | 0.25 |" in md
+    with pytest.raises(SystemExit, match=r"--labels: 1 given for 2 curves; give one per curve, in this order: lr=1e-06; "
+                                         r"lr=3e-06"):
+        K.compare([str(tmp_path / "x"), str(y)], ["reward/mean"], labels=["one"])

@@ -2,6 +2,7 @@
 
     python -m tools.compare runs_out/loss_agg --metrics eval/accuracy reward/mean --x sequences --out fig.png
     python -m tools.compare runs_out/a runs_out/b --metrics train/loss
+    python -m tools.compare runs_out/a runs_out/b --labels plain tool --max-step 40   # equal samples, named curves
 
 RUN_DIR is a run folder (metrics.jsonl + config.json) or a folder of them (a sweep). Runs are labelled by the config
 keys whose values differ between them (out_dir, exp_name, git, argv, paths and timings are ignored); runs that
@@ -111,13 +112,14 @@ def fmt(v) -> str:
     return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def table(keys: list[str], groups: list, metrics: list[str]) -> str:
-    """Markdown: one row per curve, the differing keys (seeds listed) then each metric's final value (mean, and
-    [min, max] over seeds)."""
-    cols = [k for k in keys if k != SEED] + (["seeds"] if SEED in keys else []) + ["runs"] + metrics
+def table(keys: list[str], groups: list, metrics: list[str], labels: list[str] | None = None) -> str:
+    """Markdown: one row per curve, its label (with --labels) or the differing keys (seeds listed), then each
+    metric's final value (mean, and [min, max] over seeds)."""
+    named = [k for k in keys if k != SEED] if labels is None else ["run"]
+    cols = named + (["seeds"] if SEED in keys else []) + ["runs"] + metrics
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for vals, runs in groups:
-        cells = [fmt(vals[k]) for k in keys if k != SEED]
+    for i, (vals, runs) in enumerate(groups):
+        cells = [fmt(vals[k]) for k in keys if k != SEED] if labels is None else [labels[i]]
         if SEED in keys:
             cells.append(",".join(str(r["config"].get(SEED)) for r in runs))
         cells.append(str(len(runs)))
@@ -129,27 +131,37 @@ def table(keys: list[str], groups: list, metrics: list[str]) -> str:
     return "\n".join(lines)
 
 
-def compare(run_dirs: list[str], metrics: list[str], x: str = "step"):
-    """The figure (one panel per metric) and the markdown table."""
+def compare(run_dirs: list[str], metrics: list[str], x: str = "step", labels: list[str] | None = None,
+            max_step: int | None = None):
+    """The figure (one panel per metric) and the markdown table. labels: one per curve, in the order the curves
+    come (the runs' order; a sweep folder's runs sorted by name), instead of the differing keys. max_step: rows
+    after that step are dropped, so runs of different lengths compare at equal samples (figure and table)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = [load_run(p) for p in find_runs(run_dirs)]
+    if max_step is not None:
+        for r in runs:
+            r["rows"] = [row for row in r["rows"] if row["step"] <= max_step]
     logged = set().union(*({k for row in r["rows"] for k in row} for r in runs))
     missing = [m for m in metrics if m not in logged]
     if missing:
         have = ", ".join(sorted(logged - {"step", "time"}))
         raise SystemExit(f"--metrics {' '.join(missing)}: no run logged it; the runs have: {have}")
     keys, groups = groups_of(runs)
+    if labels is not None and len(labels) != len(groups):
+        found = "; ".join(label(vals) for vals, _ in groups)
+        raise SystemExit(f"--labels: {len(labels)} given for {len(groups)} curves; give one per curve, in this "
+                         f"order: {found}")
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
     for ax, m in zip(axes[0], metrics):
-        for vals, group in groups:
+        for i, (vals, group) in enumerate(groups):
             xs, mean, lo, hi = series(group, m, x)
             if not xs:
                 continue
             n = len(group)
-            line, = ax.plot(xs, mean, marker="." if len(xs) < 30 else None,
-                            label=label(vals) + (f" ({n} seeds)" if n > 1 else ""))
+            line, = ax.plot(xs, mean, marker="." if len(xs) < 30 else None, color=f"C{i % 10}",  # a curve's colour
+                            label=(labels[i] if labels else label(vals)) + (f" ({n} seeds)" if n > 1 else ""))
             if n > 1:
                 ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color(), linewidth=0)
         ax.set_title(m)
@@ -157,7 +169,7 @@ def compare(run_dirs: list[str], metrics: list[str], x: str = "step"):
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    return fig, table(keys, groups, metrics)
+    return fig, table(keys, groups, metrics, labels)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,8 +180,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="metric keys, one panel each")
     ap.add_argument("--x", choices=["step", "sequences"], default="step", help="x axis")
     ap.add_argument("--out", default="compare.png", help="the PNG; the table goes next to it as .md")
+    ap.add_argument("--labels", nargs="+", help="one name per curve, in the runs' order (default: the differing "
+                    "config keys)")
+    ap.add_argument("--max-step", type=int, help="drop rows after this step: runs of different lengths compared at "
+                    "equal samples (the table's final values are at or before it)")
     a = ap.parse_args(argv)
-    fig, md = compare(a.runs, a.metrics, a.x)
+    fig, md = compare(a.runs, a.metrics, a.x, a.labels, a.max_step)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

@@ -6,8 +6,8 @@
 #     bash runs/grpo_gsm8k_qwen05b_calculator.sh [more grpo.py flags]
 # The prompt explains the call format (common.environments.CALC_INSTRUCTION). Each episode: up to 4 model turns of up
 # to 512 tokens, 1024 tokens after the prompt in all (tool results included); only the model's tokens are in the loss.
-# Started once (GPU session 11, docs/multiturn.md): the step-0 evaluation (23.52 %, tool calls in 0.08 % of episodes),
-# then stopped during step 0's update: no training result yet.
+# Run for 40 steps on the H200 (session 12, docs/results/grpo_calc_qwen05b/): accuracy 19.09 -> 37.03 % (plain run at
+# equal samples 36.16 %), tool calls fell from ~2 % of sampled episodes to none by step 14.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 INSTRUCTION=$(python -c "from common.environments import CALC_INSTRUCTION; print(CALC_INSTRUCTION)")

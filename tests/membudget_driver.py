@@ -14,7 +14,7 @@ from grpo import Args
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 GiB = 2**30
-membudget.gpu_memory = lambda device: ((40 + 40 * rank) * GiB, 140 * GiB)  # rank 1 has twice the room of rank 0
+membudget.gpu_memory = lambda device: ((20 + 20 * rank) * GiB, 140 * GiB)  # rank 1 has twice the room of rank 0
 cfg = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                       num_key_value_heads=2, vocab_size=151936)
 model = torch.nn.Linear(8, 8)

@@ -195,8 +195,9 @@ def grpo_summary(metrics: Path) -> dict:
     s = {k[len("perf/"):]: statistics.median(r[k] for r in warm if k in r) for k in keys}
     s["steps"] = [round(r["perf/step_s"], 2) for r in rows]
     s["warm_steps"] = [r["perf/step_s"] for r in warm]
-    if rows and any("perf/peak_mem_gib" in r for r in rows):
-        s["peak_mem_gib"] = max(r.get("perf/peak_mem_gib", 0) for r in rows)
+    for k in ("peak_mem_gib", "trainer_peak_gib"):  # peaks over every step, not medians
+        if any(f"perf/{k}" in r for r in rows):
+            s[k] = max(r.get(f"perf/{k}", 0) for r in rows)
     s["logprob_gap_mean"] = statistics.median(r["rollout/logprob_gap_mean"] for r in warm) \
         if warm and all("rollout/logprob_gap_mean" in r for r in warm) else None
     return s
@@ -402,7 +403,7 @@ def report(results: dict, out: Path) -> None:
     if prompts:
         print(f"prompts: {prompts}")
     cols = ["step_s", "generate_s", "generate_slowest_s", "generate_cpu_s", "score_s", "ref_logp_s", "old_logp_s", "update_s", "refit_s", "wake_weights_s",
-            "wake_kv_s", "sleep_s", "gather_s", "tokens_per_s_per_gpu", "peak_mem_gib", "gpu_mem_peak_gib"]
+            "wake_kv_s", "sleep_s", "gather_s", "tokens_per_s_per_gpu", "peak_mem_gib", "trainer_peak_gib", "gpu_mem_peak_gib"]
     runs = [r for r in results["runs"] if r.get("kind") == "grpo"]
     extra = sorted({k for r in runs for k in r if k.startswith(("mfu", "train_mfu", "tflops"))})
     w = {c: max(10, len(c)) + 2 for c in cols + extra}

@@ -3,7 +3,7 @@ memory (docs/performance.md). The scripts time their phases with common.tracking
 import time
 
 from common.flops import batch_train_flops, mfu
-from common.tracking import step_peak_gib
+from common.tracking import engine_pool_gib, step_peak_gib
 
 
 def perf_metrics(perf: dict, t_step: float, model_config, lengths: list[int], response_lengths: list[int],
@@ -17,7 +17,10 @@ def perf_metrics(perf: dict, t_step: float, model_config, lengths: list[int], re
     phases' seconds, `mfu_step` by the whole step's. Adds what it derives into `perf` as well."""
     perf["step_s"] = time.perf_counter() - t_step
     if device.type == "cuda":
-        perf["peak_mem_gib"] = step_peak_gib()
+        perf["peak_mem_gib"] = step_peak_gib()  # torch's counter: with a vLLM engine in the process, its pool too
+        if engine_pool_gib():  # what the trainer itself used at its peak
+            perf["engine_pool_gib"] = engine_pool_gib()
+            perf["trainer_peak_gib"] = perf["peak_mem_gib"] - perf["engine_pool_gib"]
     if trained:
         tokens = sum(lengths[i] for i in trained)
         fpt = batch_train_flops(model_config, [lengths[i] for i in trained],

@@ -164,6 +164,18 @@ class timed:
 
 
 _step_peak = 0  # bytes: torch's peak counter, folded in at every phase boundary since the last step_peak_gib()
+_engine_pool = 0  # bytes of torch's counter that are a vLLM engine's pool, not the trainer's (count_engine_pool)
+
+
+def count_engine_pool(nbytes: int) -> None:
+    """A vLLM engine on this process allocated `nbytes` through torch (its weights and KV cache): torch's counters
+    include them for the whole run, asleep or awake. common/perf.py reports the step's peak without them too."""
+    global _engine_pool
+    _engine_pool += max(0, int(nbytes))
+
+
+def engine_pool_gib() -> float:
+    return _engine_pool / 2**30
 
 
 def _fold_peak() -> int:

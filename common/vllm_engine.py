@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from common.dist import all_gather_objects, bind_cpus
 from common.rollout import Rollout
+from common.tracking import count_engine_pool
 
 GiB = 1024**3
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -306,8 +307,8 @@ class VLLMEngine:
         self.weights_discarded = False  # a level-2 sleep threw the weights away and no refit came since
 
         free, total = torch.cuda.mem_get_info(self.device)
-        training = torch.cuda.memory_allocated(self.device) if training_bytes_estimate is None \
-            else training_bytes_estimate
+        allocated = torch.cuda.memory_allocated(self.device)
+        training = allocated if training_bytes_estimate is None else training_bytes_estimate
         check_memory_budget(total, free, args.gpu_memory_utilization, training)
         # KV cache: all that one generate call can use, when that is clearly under what gpu_memory_utilization
         # leaves after the weights (half of its share: the weights and activations take the rest)
@@ -349,6 +350,10 @@ class VLLMEngine:
         except TypeError:  # a vLLM before FlatLogprobs
             self._flat = {}
         self.held_bytes = free - torch.cuda.mem_get_info(self.device)[0]
+        # vLLM allocates its weights and KV cache through a torch memory pool: torch's allocated / peak counters include
+        # them, also while the engine sleeps (sleep unmaps the memory behind torch's back). perf/trainer_peak_gib
+        # takes this off perf/peak_mem_gib (common/perf.py; docs/performance.md, Method).
+        count_engine_pool(torch.cuda.memory_allocated(self.device) - allocated)
         self.timings["init"] = time.perf_counter() - t0
         self._log(f"init {self.timings['init']:.1f}s, engine holds {self.held_bytes / GiB:.1f} GiB "
                   f"(replica {self.dp_rank}/{self.dp_size}, tp rank {self.tp_rank}, tied={self.tied}, KV cache "
@@ -454,7 +459,7 @@ class VLLMEngine:
         """resident_hint for this engine after a step whose perf holds peak_mem_gib and the sleep / wake seconds."""
         swap_s = sum(perf.get(k, 0.0) for k in ("sleep_s", "wake_weights_s", "wake_kv_s"))
         return resident_hint(torch.cuda.mem_get_info(self.device)[1], self.held_bytes,
-                             int(perf.get("peak_mem_gib", 0.0) * GiB), swap_s, self.args.sleep_level)
+                             int(perf.get("trainer_peak_gib", perf.get("peak_mem_gib", 0.0)) * GiB), swap_s, self.args.sleep_level)
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Re-allocate "weights" and/or "kv_cache" (None: both). Wake the weights alone first to refit, so the

@@ -66,6 +66,27 @@ def test_step_line_and_perf_metrics():
     assert line.startswith("step    3 | reward 0.500") and "4.2 s/step" in line
 
 
+def test_trainer_peak_leaves_out_the_engine_pool(monkeypatch):
+    """With a vLLM engine in the process, torch's peak counter holds the engine's pool too (also asleep): perf/ keeps
+    that raw peak and adds the trainer's own (session 12's 7B run: 73.4 GiB counted, ~40 GiB of it the engine's)."""
+    import common.perf as P
+    import common.tracking as T
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100)
+    monkeypatch.setattr(P, "step_peak_gib", lambda: 73.4)
+    monkeypatch.setattr(T, "_engine_pool", 0)
+    args = ({"update_s": 1.0}, time.perf_counter(), cfg, [10], [4], [0], {"update": (1, True)}, 1, 1e12,
+            torch.device("cuda"))
+    out = perf_metrics(*args)  # no engine (HF rollouts, or before one is built): the raw peak only
+    assert out["perf/peak_mem_gib"] == 73.4 and "perf/trainer_peak_gib" not in out
+    T.count_engine_pool(40 * 2**30)
+    T.count_engine_pool(-5)  # a negative delta (the trainer freed memory meanwhile) counts as nothing
+    out = perf_metrics({"update_s": 1.0}, *args[1:])
+    assert out["perf/engine_pool_gib"] == 40.0 and out["perf/trainer_peak_gib"] == pytest.approx(33.4)
+    assert out["perf/peak_mem_gib"] == 73.4
+
+
 class FakeFSDP:
     def __init__(self):
         self.calls = []

@@ -435,6 +435,25 @@ def test_refit_then_greedy_matches_transformers(engine_and_model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
+def test_engine_pool_is_in_torchs_counter_also_asleep(engine_and_model):
+    """The premise of perf/trainer_peak_gib (common/perf.py): vLLM's weights and KV cache are allocated through torch,
+    so torch's allocated counter holds them, and a sleep (memory unmapped behind torch's back) does not lower it.
+    If this fails, trainer_peak_gib subtracts memory torch never counted: drop count_engine_pool."""
+    from common.tracking import engine_pool_gib
+    engine, perturbed = engine_and_model
+    assert engine_pool_gib() * GiB > 0.5 * engine.held_bytes  # most of what the engine holds is in the counter
+    awake = torch.cuda.memory_allocated()
+    engine.sleep()
+    try:
+        assert torch.cuda.memory_allocated() >= awake - 0.1 * engine_pool_gib() * GiB
+    finally:  # back as the refit test left it (a level-2 sleep discards the weights)
+        engine.wake(["weights"])
+        engine.load_weights((n, p.detach().cuda()) for n, p in perturbed.named_parameters())
+        engine.wake(["kv_cache"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
 def test_sleep_level_0_stays_resident_and_a_refit_still_takes(engine_and_model, tmp_path):
     """--vllm.sleep-level 0: sleep and wake keep everything on the GPU, and a refit between them must still reach
     the tokens, including prompts whose KV the prefix cache holds from the old weights (40-token prompts: two

@@ -15,6 +15,14 @@ def test_grpo_summary_drops_step_zero_and_the_profiled_step(tmp_path):
     assert s["steps"] == [30.0, 10.0, 12.0, 50.0, 11.0]
 
 
+def test_grpo_summary_peaks_are_maxima_over_every_step(tmp_path):
+    rows = [{"step": s, "perf/step_s": 10.0, "perf/peak_mem_gib": p, "perf/trainer_peak_gib": p - 40}
+            for s, p in enumerate([75.0, 73.0, 74.0])]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    s = grpo_summary(tmp_path / "metrics.jsonl")
+    assert s["peak_mem_gib"] == 75.0 and s["trainer_peak_gib"] == 35.0  # step 0 counts for memory
+
+
 def test_scaling_pools_rounds_and_reports_each():
     runs = [{"attn": "varlen", "nproc": 1, "round": 0, "warm_steps": [10.0, 10.0]},
             {"attn": "varlen", "nproc": 2, "round": 0, "warm_steps": [5.0, 5.0]},

@@ -9,7 +9,9 @@ read again before every launch, and every device call copies the working tree, s
 middle of a session (reorder, add or delete lines that have not started) without touching running jobs. A job
 does not overtake an earlier waiting job that needs one of its GPUs, so a 2-GPU job is not starved by later
 1-GPU ones. Each job writes /tmp/logs/NAME.log; starts and ends (with the exit code) go to /tmp/logs/status.
-`touch /tmp/logs/STOP` stops launching; the runner exits when nothing runs and nothing waits.
+`touch /tmp/logs/STOP` stops launching; the runner exits when nothing runs and nothing waits, or with
+QUEUE_LINGER=SECONDS it stays that long idle (touching /tmp/logs/all.done, so the driver's `poll` returns) and starts
+jobs appended meanwhile (session 12 appended one after the runner had exited: it never ran).
 """
 import os
 import subprocess
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 LOGS = Path(os.environ.get("QUEUE_LOGS", "/tmp/logs"))
+LINGER = float(os.environ.get("QUEUE_LINGER", "0"))  # seconds to stay idle for appended jobs before exiting
 
 
 def read_queue(path: Path) -> list[tuple[str, frozenset[str], str]]:
@@ -56,6 +59,7 @@ def main(queue: Path) -> None:
     LOGS.mkdir(parents=True, exist_ok=True)
     running: dict[str, tuple[subprocess.Popen, frozenset[str]]] = {}
     started: set[str] = set()
+    idle_since = None
     while True:
         for name, (proc, _) in list(running.items()):
             if proc.poll() is not None:
@@ -78,8 +82,17 @@ def main(queue: Path) -> None:
         elif not running:
             break
         if not running and not [j for j in waiting if j[0] not in started]:
-            break
-        time.sleep(2)
+            if idle_since is None:
+                idle_since = time.monotonic()
+                if LINGER:
+                    log_status("queue idle")
+                (LOGS / "all.done").touch()  # the driver's poll returns; a job appended later clears it
+            if time.monotonic() - idle_since >= LINGER:
+                break
+        elif idle_since is not None:
+            idle_since = None
+            (LOGS / "all.done").unlink(missing_ok=True)
+        time.sleep(1)
     log_status("queue done")
     (LOGS / "all.done").touch()
 

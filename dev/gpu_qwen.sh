@@ -86,7 +86,7 @@ site1)
   cp .gpu-site/s-1 /tmp/stage/part-01 && cat /tmp/stage/part-0[01] | tar -xJ -C /tmp/site && rm -f /tmp/stage/part-*
   for s in train test; do xz -dc /tmp/assets/gsm8k_$s.jsonl.xz > /tmp/data/gsm8k/$s.jsonl; done; wc -l /tmp/data/gsm8k/*
   python3 -c "import vllm, tyro, datasets, math_verify; print('vllm', vllm.__version__)"
-  cd $S && (unset OUT; setsid python3 dev/gpu_queue.py /tmp/queue.txt > $L/queue.out 2>&1 < /dev/null &)
+  cd $S && (unset OUT; QUEUE_LINGER=1800 setsid python3 dev/gpu_queue.py /tmp/queue.txt > $L/queue.out 2>&1 < /dev/null &)
   sleep 2; summary
   ;;
 model)

@@ -42,3 +42,30 @@ def test_queue_runs_jobs_on_their_gpus_in_order(tmp_path):
     assert "end g1 rc=3" in status  # a failing job is recorded and does not stop the queue
     assert status.index("start both (gpu 0,1)") > max(status.index("end g0 rc=0"), status.index("end g1 rc=3"))
     assert status[-1] == "queue done" and (logs / "all.done").exists()
+
+
+def test_linger_starts_a_job_appended_after_the_queue_went_idle(tmp_path):
+    """QUEUE_LINGER: idle, the runner marks all.done (the driver's poll returns) and stays; a job appended then runs."""
+    import time
+    q, logs = tmp_path / "q.txt", tmp_path / "logs"
+    q.write_text("first 0 echo one\n")
+    env = {**os.environ, "QUEUE_LOGS": str(logs), "QUEUE_LINGER": "20"}
+    runner = subprocess.Popen([sys.executable, str(ROOT / "dev" / "gpu_queue.py"), str(q)], env=env)
+    try:
+        for _ in range(100):
+            if (logs / "all.done").exists():
+                break
+            time.sleep(0.1)
+        assert (logs / "all.done").exists() and runner.poll() is None  # idle, not gone
+        with open(q, "a") as f:
+            f.write("later 0 echo two\n")
+        for _ in range(100):
+            if (logs / "later.log").exists() and (logs / "later.log").read_text().strip() == "two":
+                break
+            time.sleep(0.1)
+        assert (logs / "later.log").read_text().strip() == "two"
+    finally:
+        runner.terminate()
+        runner.wait(timeout=10)
+    status = [line.split(" ", 1)[1] for line in (logs / "status").read_text().splitlines()]
+    assert status[:3] == ["start first (gpu 0)", "end first rc=0", "queue idle"] and "start later (gpu 0)" in status

@@ -235,6 +235,11 @@ class RLArgs(RunArgs):
         return (self.max_episode_tokens or self.max_turns * self.max_new_tokens) if self.env else self.max_new_tokens
 
     @property
+    def longest_sequence(self) -> int:
+        """The most tokens one trained sequence has: a prompt and its response (--env: the episode after it)."""
+        return self.max_prompt_tokens + self.response_width
+
+    @property
     def rollout_max_len(self) -> int:
         """The engine's longest sequence: a prompt, the episode so far, and one more turn."""
         return self.max_prompt_tokens + self.max_new_tokens + (self.response_width if self.env else 0)

@@ -16,7 +16,8 @@ out, as in the 6N rule of Kaplan et al. 2020 and PaLM's MFU, Chowdhery et al. 20
 PEAK_FLOPS = {"H200": 790e12}
 
 
-def _shapes(config) -> tuple[int, int, int, int, int, int, int]:
+def model_shapes(config) -> tuple[int, int, int, int, int, int, int]:
+    """(hidden, layers, vocab, intermediate, query heads, key/value heads, head dim) of a decoder config."""
     H, L, V, I = config.hidden_size, config.num_hidden_layers, config.vocab_size, config.intermediate_size
     hq = config.num_attention_heads
     hkv = getattr(config, "num_key_value_heads", None) or hq
@@ -26,7 +27,7 @@ def _shapes(config) -> tuple[int, int, int, int, int, int, int]:
 
 def matmul_params(config, lm_head: bool = True) -> int:
     """N: weights that take part in a matmul per token (embedding lookup excluded, LM head included once)."""
-    H, L, V, I, hq, hkv, d = _shapes(config)
+    H, L, V, I, hq, hkv, d = model_shapes(config)
     attn = H * hq * d + 2 * H * hkv * d + hq * d * H
     mlp = 3 * H * I
     return L * (attn + mlp) + (H * V if lm_head else 0)
@@ -36,7 +37,7 @@ def flops_per_token(config, seq_len: float, causal: bool = True, lm_head: bool =
     """Training FLOPs (forward + backward) per token for sequences of seq_len tokens; a forward alone is 1/3.
     For a batch of unequal lengths pass sum(s^2) / sum(s): attention cost grows with each sequence's own length.
     lm_head=False leaves out the H*V head (TokenLogProbs runs it only on the scored response tokens)."""
-    H, L, V, I, hq, hkv, d = _shapes(config)
+    H, L, V, I, hq, hkv, d = model_shapes(config)
     attn_fwd = 2 * 2 * seq_len * hq * d * L * (0.5 if causal else 1.0)
     return 3 * (2 * matmul_params(config, lm_head) + attn_fwd)
 

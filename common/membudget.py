@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from common import dist as D
+from common.flops import model_shapes
 
 CPU_BUDGET = 4096  # the old default: CPU runs and the tests keep their micro-batches
 CEILING = 16384  # the largest budget measured fast on the H200 (W05, 45 % MFU, 31 GiB); the flag goes higher
@@ -39,11 +40,8 @@ def activation_bytes_per_token(config, dtype_bytes: int = 2, checkpointing: bool
     The forward-only passes (--max-tokens-per-forward 0: 4 x the budget) keep one layer (2 x layer) and the head's
     forward (fused 8h, torch 12V) per token: the result is the larger of the two, times `models` (ppo.py: policy
     and critic step through the same micro-batches)."""
-    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    q, kvd, v = heads * head_dim, kv * head_dim, config.vocab_size
+    h, layers, v, i, heads, kv, head_dim = model_shapes(config)
+    q, kvd = heads * head_dim, kv * head_dim
     layer = dtype_bytes * (4 * h + 3 * q + 3 * kvd + 4 * i) + 8 * h
     body = (layers * dtype_bytes * h + 2 * layer) if checkpointing else (layers + 1) * layer
     train = body + (16 * h if fused_head else 16 * v + 16 * h)
@@ -88,7 +86,7 @@ def resolve_microbatch(args, config, models: list, optimizers: list, plan, d, pe
     call it at the same point (the minimum over ranks is an all-reduce)."""
     if args.max_tokens_per_microbatch:
         return
-    longest = args.max_prompt_tokens + args.response_width
+    longest = args.longest_sequence
     if d.device.type != "cuda":
         args.max_tokens_per_microbatch = max(CPU_BUDGET, math.ceil(longest / 1024) * 1024)
         perf["max_tokens_per_microbatch"] = args.max_tokens_per_microbatch

@@ -18,9 +18,8 @@ def perf_metrics(perf: dict, t_step: float, model_config, lengths: list[int], re
     perf["step_s"] = time.perf_counter() - t_step
     if device.type == "cuda":
         perf["peak_mem_gib"] = step_peak_gib()  # torch's counter: with a vLLM engine in the process, its pool too
-        if engine_pool_gib():  # what the trainer itself used at its peak
-            perf["engine_pool_gib"] = engine_pool_gib()
-            perf["trainer_peak_gib"] = perf["peak_mem_gib"] - perf["engine_pool_gib"]
+        if pool := engine_pool_gib():  # what the trainer itself used at its peak
+            perf["engine_pool_gib"], perf["trainer_peak_gib"] = pool, perf["peak_mem_gib"] - pool
     if trained:
         tokens = sum(lengths[i] for i in trained)
         fpt = batch_train_flops(model_config, [lengths[i] for i in trained],

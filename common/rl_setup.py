@@ -57,7 +57,7 @@ def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
     if not args.temperature > 0:
         raise ValueError(f"--temperature {args.temperature}: training samples and scores log-probs at this temperature, "
                          "so it must be > 0 (evaluation is already greedy)")
-    longest = args.max_prompt_tokens + args.response_width  # a prompt and a completion (--env: and an episode)
+    longest = args.longest_sequence
     if 0 < args.max_tokens_per_microbatch < longest:  # 0 (auto) is sized at the first update, at least `longest`
         raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
                          f"sequence (--max-prompt-tokens + {'--max-episode-tokens' if args.env else '--max-new-tokens'}"
@@ -80,8 +80,7 @@ def geometry_rows(args, world_size: int, device) -> dict:
         "micro-batch token budget": mb or auto,
         "no-grad forward token budget": args.forward_token_budget if mb or args.max_tokens_per_forward else
         f"4 x micro-batch, {auto}",
-        "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * (args.max_prompt_tokens + args.response_width)
-                                                    / mb) if mb else auto,
+        "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * args.longest_sequence / mb) if mb else auto,
         "trainer attention": describe(device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
     }
 

@@ -456,10 +456,12 @@ class VLLMEngine:
         self._log(f"sleep(level={self.args.sleep_level}) {self.timings['sleep']:.2f}s")
 
     def resident_hint(self, perf: dict) -> str | None:
-        """resident_hint for this engine after a step whose perf holds peak_mem_gib and the sleep / wake seconds."""
+        """resident_hint for this engine after a step whose perf holds the trainer's peak (trainer_peak_gib: this
+        engine's pool is counted in peak_mem_gib) and the sleep / wake seconds."""
         swap_s = sum(perf.get(k, 0.0) for k in ("sleep_s", "wake_weights_s", "wake_kv_s"))
-        return resident_hint(torch.cuda.mem_get_info(self.device)[1], self.held_bytes,
-                             int(perf.get("trainer_peak_gib", perf.get("peak_mem_gib", 0.0)) * GiB), swap_s, self.args.sleep_level)
+        trainer_gib = perf.get("trainer_peak_gib", perf.get("peak_mem_gib", 0.0))
+        return resident_hint(torch.cuda.mem_get_info(self.device)[1], self.held_bytes, int(trainer_gib * GiB), swap_s,
+                             self.args.sleep_level)
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Re-allocate "weights" and/or "kv_cache" (None: both). Wake the weights alone first to refit, so the

@@ -106,9 +106,8 @@ poll)
   ;;
 stop)  # stop JOB...: SIGTERM the python worker(s) under the job (not torchrun: it SIGKILLs after 30 s), by pid
   shift; fetch
-  for job in "$@"; do [ -f $L/$job.pgid ] || continue; for p in $(desc $(cat $L/$job.pgid)); do
-    a=$(ps -o args= -p $p); case "$a" in *torchrun*|*torch.distributed.run*) ;;
-      *python*.py*) echo "SIGTERM $job $p: ${a:0:100}"; kill -TERM $p ;; esac; done; done
+  for job in "$@"; do for p in $(workers $job); do echo "SIGTERM $job $p: $(ps -o args= -p $p | cut -c1-100)"
+    kill -TERM $p; done; done
   end=$((SECONDS + ${STOP_WAIT:-45}))
   while [ $SECONDS -lt $end ] && [ "$(grep -c ' start ' $L/status)" -gt "$(grep -c ' end ' $L/status)" ]; do sleep 3; done
   summary; fetch
@@ -120,7 +119,7 @@ dump)
   ;;
 resnap)
   rm -rf /tmp/repo-snap2 && mkdir -p /tmp/repo-snap2 && tar --exclude=./.gpu-site --exclude=./.gpu-model \
-    --exclude=./.gpu-assets --exclude=./.git -cf - . | tar -xf - -C /tmp/repo-snap2 && echo "snap2: $(git log --oneline -1 2>/dev/null)"
+    --exclude=./.gpu-assets --exclude=./.git -cf - . | tar -xf - -C /tmp/repo-snap2 && echo "snap2: $(find /tmp/repo-snap2 -type f | wc -l) files"
   summary
   ;;
 *) echo "usage: $0 site0|site1|model I|poll SECONDS|stop JOB...|dump JOB...|resnap"; exit 2 ;;

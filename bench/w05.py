@@ -190,6 +190,8 @@ def grpo_summary(metrics: Path) -> dict:
     rows = [r for r in rows if "perf/step_s" in r]
     config = metrics.with_name("config.json")
     profiled = json.loads(config.read_text()).get("profile_step", -1) if config.exists() else -1
+    if rows and "rollout/staleness" in rows[-1]:  # grpo_async.py: its last step generates nothing in the background
+        rows = rows[:-1]
     warm = [r for r in rows if r["step"] > 0 and r["step"] != profiled] or rows  # the profiler slows its step
     keys = sorted({k for r in warm for k in r if k.startswith("perf/")})
     s = {k[len("perf/"):]: statistics.median(r[k] for r in warm if k in r) for k in keys}
@@ -226,6 +228,8 @@ def main():
                     help="grpo --max-tokens-per-microbatch (default: none passed, grpo.py's auto budget)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU")
     ap.add_argument("--grpo-extra", default="", help="more grpo.py flags, one string")
+    ap.add_argument("--script", default="grpo.py", choices=["grpo.py", "grpo_async.py"],
+                    help="the grpo sub-runs' script: grpo_async.py is one-step off-policy (its sub-runs: async-*)")
     ap.add_argument("--fused-loss", default=None, help="grpo --fused-loss (on) / --no-fused-loss (off); a list runs "
                     "each, in this order within every round and GPU count: on,off compares the update phase with "
                     "and without the loss's gradient in the LM head's forward (default: neither flag, grpo.py's own)")
@@ -274,9 +278,10 @@ def main():
     if "grpo" in todo:
         for n, k in [(n, k) for k in range(a.rounds) for n in nprocs]:
             for attn, fl in [(attn, fl) for attn in attns for fl in fused]:
-                name = f"grpo-{attn}-{n}gpu" + {None: "", "on": "-fused", "off": "-unfused"}[fl] \
+                name = f"{'async' if a.script == 'grpo_async.py' else 'grpo'}-{attn}-{n}gpu" \
+                    + {None: "", "on": "-fused", "off": "-unfused"}[fl] \
                     + (f"-r{k}" if a.rounds > 1 else "")
-                cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "grpo.py",
+                cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", a.script,
                        "--model", str(model), "--dataset", str(prompts), "--no-chat-template", "--instruction", "",
                        "--max-prompt-tokens", str(W05["prompt_tokens"]), "--max-new-tokens", str(W05["new_tokens"]),
                        "--ignore-eos", "--prompts-per-step", str(W05["prompts_per_step"]),
@@ -290,7 +295,7 @@ def main():
                        if a.max_tokens_per_microbatch else []) \
                     + {None: [], "on": ["--fused-loss"], "off": ["--no-fused-loss"]}[fl]
                 r = run_sub(name, cmd, out, a.timeout)
-                r |= {"kind": "grpo", "nproc": n, "attn": attn, "round": k, "fused_loss": fl,
+                r |= {"kind": "grpo", "script": a.script, "nproc": n, "attn": attn, "round": k, "fused_loss": fl,
                       **grpo_summary(out / name / "metrics.jsonl")}
                 results["runs"].append(r)
 

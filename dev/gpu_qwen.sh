@@ -13,6 +13,9 @@
 #   stop JOB...    SIGTERM the python workers under those queue jobs (by pid), wait, summary + fetch
 #   dump JOB...    SIGUSR1 those workers (common/stop.py: every thread's Python stack to the job's log), show it
 #   resnap         copy the call's tree to /tmp/repo-snap2 (jobs added later `cd` there for newer code)
+#   verl I         stage verl piece I (carry .gpu-assets/verl/part-0I, one per call; the assets call then carries the
+#                  files of .gpu-assets by name, not the folder); after 1: unpack to /tmp/verl-site, verl's
+#                  --check-config once /tmp/w05 is built, touch /tmp/verl.ok
 # BENCH=1 on site0 starts the kernel bench (bench/bench_logprob.py) while the rest stages.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/repo-snap VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
@@ -53,8 +56,8 @@ fetch() {  # logs (tails) + every run's small files, one tarball into $OUT
   rm -rf /tmp/f && mkdir -p /tmp/f
   for x in $L/*.log $L/status $L/queue.out; do [ -f $x ] && tail -c 2000000 $x > /tmp/f/$(basename $x); done
   (cd /tmp && find runs logs \( -name metrics.jsonl -o -name config.json -o -name samples.jsonl -o -name summary.json \
-      -o -name 'sweep.*' -o -name '*.md' -o -name '*.png' -o -path 'logs/w05-*/*.log' \) -size -15M -print > /tmp/f.list)
-  tar -czf $OUT/s12.tgz -C /tmp f $(cat /tmp/f.list) 2>&1 | tail -n 2; ls -la $OUT
+      -o -name 'sweep.*' -o -name '*.md' -o -name '*.png' -o -path 'logs/*.log' \) -size -15M -print > /tmp/f.list)
+  tar -czf $OUT/run.tgz -C /tmp f $(cat /tmp/f.list) 2>&1 | tail -n 2; ls -la $OUT
 }
 
 desc() { for c in $(pgrep -P $1); do echo $c; desc $c; done; }
@@ -117,10 +120,21 @@ dump)
   sleep 3; for job in "$@"; do echo "== $job"; tail -n 60 $L/$job.log | cut -c1-200; done
   summary
   ;;
+verl)
+  mkdir -p /tmp/stage-verl && cp .gpu-assets/verl/part-0$2 /tmp/stage-verl/ && ls -la /tmp/stage-verl
+  if [ "$2" = 1 ]; then
+    mkdir -p /tmp/verl-site && cat /tmp/stage-verl/part-* | tar -xJ -C /tmp/verl-site && rm -rf /tmp/stage-verl
+    (cd $S && unset OUT && setsid bash -c 'until [ -f /tmp/w05/prompts.jsonl ]; do sleep 2; done; timeout 300 python3 \
+      bench/verl_w05.py --model /tmp/w05/model-0.5b --prompts /tmp/w05/prompts.jsonl --check-config \
+      --site /tmp/verl-site > /tmp/logs/verl-check.log 2>&1 && touch /tmp/verl.ok; touch /tmp/verl.checked' \
+      < /dev/null > /dev/null 2>&1 &)
+  fi
+  summary
+  ;;
 resnap)
   rm -rf /tmp/repo-snap2 && mkdir -p /tmp/repo-snap2 && tar --exclude=./.gpu-site --exclude=./.gpu-model \
     --exclude=./.gpu-assets --exclude=./.git -cf - . | tar -xf - -C /tmp/repo-snap2 && echo "snap2: $(find /tmp/repo-snap2 -type f | wc -l) files"
   summary
   ;;
-*) echo "usage: $0 site0|site1|model I|poll SECONDS|stop JOB...|dump JOB...|resnap"; exit 2 ;;
+*) echo "usage: $0 site0|site1|model I|verl I|poll SECONDS|stop JOB...|dump JOB...|resnap"; exit 2 ;;
 esac

@@ -15,6 +15,14 @@ def test_grpo_summary_drops_step_zero_and_the_profiled_step(tmp_path):
     assert s["steps"] == [30.0, 10.0, 12.0, 50.0, 11.0]
 
 
+def test_async_summary_drops_the_last_step_which_overlaps_nothing(tmp_path):
+    """grpo_async.py's last step starts no background generation: its time is not a one-step off-policy step's."""
+    rows = [{"step": s, "perf/step_s": t, "rollout/staleness": int(s > 0)} for s, t in enumerate([30.0, 7.0, 6.0, 4.0])]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    s = grpo_summary(tmp_path / "metrics.jsonl")
+    assert s["warm_steps"] == [7.0, 6.0] and s["step_s"] == 6.5 and s["steps"] == [30.0, 7.0, 6.0]
+
+
 def test_grpo_summary_peaks_are_maxima_over_every_step(tmp_path):
     rows = [{"step": s, "perf/step_s": 10.0, "perf/peak_mem_gib": p, "perf/trainer_peak_gib": p - 40}
             for s, p in enumerate([75.0, 73.0, 74.0])]

@@ -3,12 +3,14 @@
 # run on the device machine from the call's repo root as `QUEUE=dev/queues/X.txt bash dev/gpu_qwen.sh STEP`
 # (default queue dev/queues/next.txt; later calls keep the first call's QUEUE; every call copies that file to
 # /tmp/queue.txt, so edits reach the runner). Carry
-# limit 64 MiB a call with the tree (5.2 MB in session 12): site0 carries .gpu-site/s-0; then one `poll 1` call carries
-# .gpu-assets (every call copies its *.xz to /tmp/assets; liger is installed from /tmp/assets/whl when the bench
-# starts); site1 .gpu-site/s-1; model I .gpu-model/q-I. Steps:
-#   site0          snapshot the tree to /tmp/repo-snap, stage vLLM piece 0, install liger, start the kernel bench
-#   site1          stage piece 1, unpack vLLM & co, GSM8K, start the queue ($QUEUE)
-#   model I        stage GGUF piece I (0..7); after 7: join, sha256sum -c, convert once, touch /tmp/model.ok
+# limit 64 MiB a call with the tree (5.5 MiB in session 13, so pieces are <= 55 MB): site0 carries .gpu-site/p-00 and
+# the assets by name (.gpu-assets/{gsm8k_train,gsm8k_test}.jsonl.xz, qwen2.5-tokenizer.tar.xz, whl; every call copies
+# the *.xz it has to /tmp/assets, the wheels to /tmp/assets/whl); `site I` .gpu-site/p-0I; model I .gpu-model/m-I.
+# Pieces: `cat` of the vLLM bundle's (../shared/gpu/bundle.sh) and of the GGUF's, `split -b 41000000` / `55000000`.
+# Steps:
+#   site0          snapshot the tree to /tmp/repo-snap, stage vLLM piece 0, (BENCH=1) install liger, kernel bench
+#   site I         stage piece I (1, 2); after the last (2): unpack vLLM & co, GSM8K, start the queue ($QUEUE)
+#   model I        stage GGUF piece I (0..8); after 8: join, sha256sum -c, convert once, touch /tmp/model.ok
 #   poll SECONDS   wait (returns early when every job has ended), then summary + fetch into $OUT
 #   stop JOB...    SIGTERM the python workers under those queue jobs (by pid), wait, summary + fetch
 #   dump JOB...    SIGUSR1 those workers (common/stop.py: every thread's Python stack to the job's log), show it
@@ -71,7 +73,7 @@ case ${1:-} in
 site0)
   mkdir -p $S && tar --exclude=./.gpu-site --exclude=./.gpu-model --exclude=./.gpu-assets --exclude=./.git -cf - . \
     | tar -xf - -C $S && echo "snapshot: $(find $S -type f | wc -l) files"
-  cp .gpu-site/s-0 /tmp/stage/part-00
+  cp .gpu-site/p-00 /tmp/stage/part-00
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader; nproc; free -g | head -2
   df -h /tmp $PWD | tail -2
   cat > /tmp/bench.sh <<EOF
@@ -85,17 +87,19 @@ EOF
   if [ "${BENCH:-0}" = 1 ]; then (unset OUT; setsid bash /tmp/bench.sh < /dev/null > /dev/null 2>&1 &)
   else touch /tmp/bench.done; fi
   ;;
-site1)
-  cp .gpu-site/s-1 /tmp/stage/part-01 && cat /tmp/stage/part-0[01] | tar -xJ -C /tmp/site && rm -f /tmp/stage/part-*
+site)
+  cp .gpu-site/p-0$2 /tmp/stage/part-0$2 && ls /tmp/stage
+  [ "$2" = 2 ] || exit 0
+  cat /tmp/stage/part-0[012] | tar -xJ -C /tmp/site && rm -f /tmp/stage/part-*
   for s in train test; do xz -dc /tmp/assets/gsm8k_$s.jsonl.xz > /tmp/data/gsm8k/$s.jsonl; done; wc -l /tmp/data/gsm8k/*
   python3 -c "import vllm, tyro, datasets, math_verify; print('vllm', vllm.__version__)"
   cd $S && (unset OUT; QUEUE_LINGER=1800 setsid python3 dev/gpu_queue.py /tmp/queue.txt > $L/queue.out 2>&1 < /dev/null &)
   sleep 2; summary
   ;;
 model)
-  cp .gpu-model/q-$2 /tmp/stage/ && ls /tmp/stage
-  if [ "$2" = 7 ]; then
-    cat /tmp/stage/q-{0..7} > /tmp/qwen.gguf && echo "$SHA  /tmp/qwen.gguf" | sha256sum -c && rm -f /tmp/stage/q-* \
+  cp .gpu-model/m-$2 /tmp/stage/ && ls /tmp/stage
+  if [ "$2" = 8 ]; then
+    cat /tmp/stage/m-{0..8} > /tmp/qwen.gguf && echo "$SHA  /tmp/qwen.gguf" | sha256sum -c && rm -f /tmp/stage/m-* \
       && cd $S && python3 -c "from common.models import resolve_model as r; print(r('/tmp/qwen.gguf'))" \
       && touch /tmp/model.ok && echo MODEL OK
   fi
@@ -136,5 +140,5 @@ resnap)
     --exclude=./.gpu-assets --exclude=./.git -cf - . | tar -xf - -C /tmp/repo-snap2 && echo "snap2: $(find /tmp/repo-snap2 -type f | wc -l) files"
   summary
   ;;
-*) echo "usage: $0 site0|site1|model I|verl I|poll SECONDS|stop JOB...|dump JOB...|resnap"; exit 2 ;;
+*) echo "usage: $0 site0|site I|model I|verl I|poll SECONDS|stop JOB...|dump JOB...|resnap"; exit 2 ;;
 esac

@@ -15,11 +15,13 @@ Each step t (numbers match the phases in the loop; --no-async-rollout is grpo.py
 
 Deviations from grpo.py (whose docstring has GRPO's, DAPO's and the variants) with --async-rollout:
   1. The rollout is one refit stale (num_minibatches x num_epochs optimiser steps), except at the first step.
-  2. The engine never sleeps (it generates during the update): both must fit on the GPU. 3. No --tis-cap,
-  --dynamic-sampling-max-rounds > 1 or --vllm.tensor-parallel-size > 1.
+  2. The engine never sleeps (it generates during the update): engine and trainer must fit on the GPU together.
+  3. No --dynamic-sampling-max-rounds > 1, --tis-cap or --vllm.tensor-parallel-size > 1. Not faster on one GPU.
 
-Launch: `python grpo_async.py` (CPU); `torchrun --nproc_per_node=N grpo_async.py --model ...` as grpo.py
-(runs/grpo_async_gsm8k_qwen05b.sh: GSM8K on 1 H200, the synchronous recipe's flags).
+Launch:
+  CPU:     python grpo_async.py
+  N GPUs:  torchrun --nproc_per_node=N grpo_async.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+               --dataset-config main (runs/grpo_async_gsm8k_qwen05b.sh; docs/grpo_async.md: the H200 measurements)
 """
 import math
 import time
@@ -47,8 +49,8 @@ from common.reward_model import rollout_reward_model
 from common.rewards import load_reward_fn, with_workers
 from common.rl_setup import (check_geometry, load_policy, load_prompt_splits, resolve_microbatch, resolve_model_once,
                              resume_run, rollout_engine, start_tracking)
-from common.rollout import (RolloutBatch, gather_rollout, generate, log_step, merge_rollouts, ready, rollout_metrics,
-                            rollout_stream, score_rollout, sync_engine)
+from common.rollout import (RolloutBatch, gather_rollout, generate, log_step, merge_rollouts, rollout_metrics,
+                            score_rollout, sync_engine)
 from common.run_dir import claim_run_dir
 from common.stop import install_stop_handler
 from common.tracking import Profile, Progress, timed
@@ -67,9 +69,8 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     """AdamW learning rate (CPU default: moves the 135M default model within 10 steps; runs/ recipes set their own)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     async_rollout: bool = True
-    """one-step off-policy: step t+1's rollout made during step t's update, pi_old the engine's (--no-: grpo.py's loop)"""
-    rollout_stream: bool = True
-    """GPU: the background generation's kernels on a high-priority CUDA stream of their own (beside the update's)"""
+    """one-step off-policy: generate step t+1's rollout during step t's update, by the weights of one refit ago, with
+    the behaviour policy's log-probs as pi_old (--no-async-rollout: grpo.py's synchronous loop)"""
     group_size: int = 8
     """G: completions sampled per prompt"""
     adv_estimator: Literal["grpo", "rloo", "reinforce++", "reinforce++-baseline"] = "grpo"
@@ -408,7 +409,6 @@ def main(args: Args) -> None:
     progress, stopping = Progress(d.is_main, args.num_steps, start), False  # stopping: by a signal
     sync_engine(engine, policy, resume_from is not None, plan.keep_gathered, {})  # wake it; refit a resumed policy
     pool, pending = ThreadPoolExecutor(max_workers=1), None  # --async-rollout: the next step's generation, in flight
-    stream = rollout_stream(args.rollout_stream, d.device)  # None on CPU
     seed_of = lambda at, rnd: args.seed * 100003 + at * d.world_size + d.rank + 1000003 * rnd  # step `at`, round `rnd`
     if args.eval_every and start % args.eval_every == 0 and start < args.num_steps:
         evaluate_and_log(start)
@@ -435,7 +435,7 @@ def main(args: Args) -> None:
             if args.async_rollout and step + 1 < args.num_steps:  # step t+1's rollout, by these weights, while t learns
                 next_examples, gen_perf = sampler.next_batch(), {}  # the engine stays awake: no sleep
                 pending = pool.submit(generate, engine, next_examples, G, args.temperature, seed_of(step + 1, 0),
-                                      sampling, gen_perf, True, env, ready(stream, d.device))  # no collective in it
+                                      sampling, gen_perf, logprobs=True, env=env)  # a thread: no collective in it
             elif not args.async_rollout:
                 with timed(perf, "sleep"):
                     engine.sleep()  # hand the memory to training

@@ -175,6 +175,17 @@ def child_env(site: str | None) -> dict:
     return env
 
 
+def make_executable(site: str | None) -> list[str]:
+    """chmod +x the ELF files under <site>/ray (gcs_server, raylet, ...) that lack it: ray starts them as programs,
+    and an unpack that drops the mode bits (session 13's bundle) fails with "PermissionError: ... gcs_server"."""
+    fixed = []
+    for f in sorted((Path(site) / "ray").rglob("*")) if site else []:
+        if f.is_file() and not os.access(f, os.X_OK) and f.open("rb").read(4) == b"\x7fELF":
+            f.chmod(f.stat().st_mode | 0o111)
+            fixed.append(str(f.relative_to(site)))
+    return fixed
+
+
 def check_config(ovr: list[str], prompts: Path, data: Path) -> None:
     """Everything but the launch, on CPU: compose the config from verl's packaged yaml with these overrides, run
     main_ppo.main's validate_config and the conversions to verl's dataclasses that TaskRunner.run and
@@ -285,6 +296,8 @@ def main():
     if a.check_config:
         return check_config(ovr, prompts, data)
 
+    if fixed := make_executable(a.site):
+        print(f"made {len(fixed)} files under {a.site}/ray executable: {', '.join(fixed[:5])}", flush=True)
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo"] + ovr
     log = out / "verl.log"
     with open(log, "w") as f:  # tee: bench/w05.py keeps only the tail of this process's output

@@ -2,7 +2,6 @@
 returns (Rollout), sampling and scoring on one rank, the scored batch that crosses ranks (RolloutBatch, gathered by
 gather_rollout) and the engine refit at the end of a step (sync_engine). Every engine has generate / sleep / wake /
 load_weights (docs/architecture.md)."""
-from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import Iterable
 
@@ -111,36 +110,20 @@ def padded(rows: list[list[float]], width: int, dtype=torch.float32) -> torch.Te
 
 
 def generate(engine, examples, n: int, temperature: float, seed: int, sampling: dict, perf: dict,
-             logprobs: bool = False, env=None, stream=None) -> Rollout:
+             logprobs: bool = False, env=None) -> Rollout:
     """Sample n completions for each of this rank's `examples` (seconds into perf["generate_s"]), with the sampled
     tokens' log-probs if `logprobs`. sampling: the engine's other generate keywords (top_p, top_k, max_new_tokens,
-    stop_token_ids, ignore_eos). env: a common.env.EnvRunner (--env): n multi-turn episodes per example instead.
-    stream: a CUDA stream for the engine's kernels (a background generation's: rollout_stream), finished on return."""
-    with timed(perf, "generate"), (torch.cuda.stream(stream) if stream is not None else nullcontext()):
+    stop_token_ids, ignore_eos). env: a common.env.EnvRunner (--env): n multi-turn episodes per example instead."""
+    with timed(perf, "generate"):
         if env is not None:
             from common.env import run_episodes  # common.env builds on this module
             rollout = run_episodes(engine, env, examples, n, temperature, seed, sampling, logprobs)
         else:
             rollout = engine.generate([e.prompt_ids for e in examples], n=n, temperature=temperature, seed=seed,
                                       logprobs=logprobs, **sampling)
-        if stream is not None:
-            stream.synchronize()
     if "generate_cpu" in engine.timings:  # vLLM: CPU seconds of its host loop (close to generate_s: host-bound)
         perf["generate_cpu_s"] = engine.timings["generate_cpu"]
     return rollout
-
-
-def rollout_stream(on: bool, device: torch.device):
-    """A high-priority CUDA stream for generation in the background (None off a GPU or with `on` False): its decode
-    steps then run beside the update's queued kernels instead of behind them. ready() before each use."""
-    return torch.cuda.Stream(device, priority=-1) if on and device.type == "cuda" else None
-
-
-def ready(stream, device: torch.device):
-    """`stream` (or None), made to wait for the work queued so far on the device's current stream (the refit)."""
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(device))
-    return stream
 
 
 def score_rollout(rollout: Rollout, examples, reward_fn, tok, reward_timeout: float, format_coef: float,

@@ -14,7 +14,8 @@
 # --tis-cap 0.0 overrides the synchronous recipe's 2.0 (grpo_async.py refuses TIS: its ratio already divides by the
 # engine's log-probs; at the synchronous run's log-prob gap the TIS weights averaged 1.0000, docs/grpo.md); the
 # engine's log-probs are requested at every step whatever --engine-logprobs-every says (they are pi_old).
-# NOT RUN YET: no numbers exist for this recipe; the GPU path of grpo_async.py is untested.
+# Run once (session 13, 15 of 20 steps before a crash since fixed; not faster than grpo.py on one GPU):
+# docs/results/session13/README.md and docs/grpo_async.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCRIPT=grpo_async.py PORT=${PORT:-${PET_MASTER_PORT:-29511}} exec bash runs/grpo_gsm8k_qwen05b.sh --async-rollout \

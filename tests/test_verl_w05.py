@@ -2,6 +2,7 @@
 overrides, and the parser of verl's console lines. verl itself is checked by `bench/verl_w05.py --check-config`."""
 import json
 import numbers
+import os
 import pprint
 from collections.abc import Mapping
 from pathlib import Path
@@ -149,3 +150,17 @@ def test_w05_report_lists_the_verl_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "verl verl-1gpu: ok  steps [30.0, 20.0]  median warm 20.00 s" in out
     assert "grpo-sdpa-1gpu step 10.00 s vs verl-1gpu 20.00 s: 2.00x" in out
+
+
+def test_ray_programs_without_their_mode_bits_are_made_executable(tmp_path):
+    """Session 13: the unpacked bundle's ray/core/src/ray/gcs/gcs_server had lost +x and ray died at start."""
+    prog = tmp_path / "ray" / "core" / "src" / "ray" / "gcs" / "gcs_server"
+    prog.parent.mkdir(parents=True)
+    prog.write_bytes(b"\x7fELF" + b"\0" * 12)
+    prog.chmod(0o644)
+    text = tmp_path / "ray" / "__init__.py"
+    text.write_text("# not a program\n")
+    text.chmod(0o644)
+    assert V.make_executable(str(tmp_path)) == ["ray/core/src/ray/gcs/gcs_server"]
+    assert os.access(prog, os.X_OK) and not os.access(text, os.X_OK)
+    assert V.make_executable(str(tmp_path)) == [] and V.make_executable(None) == []

@@ -149,6 +149,20 @@ def test_to_rollout_reads_flat_logprobs():
     assert to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])]).logprobs == [[-0.1, -0.2, -0.3]]
 
 
+def test_to_rollout_refuses_log_probs_of_other_tokens_than_the_sampled_ones():
+    """Session 13 (grpo_async.py, generation on a CUDA stream of its own): FlatLogprobs whose token ids were not the
+    sampled ones; the per-position lookup then raised a bare KeyError. Now: what is wrong, where, and what it means."""
+    toks = [5, 6, 2]
+    c = SimpleNamespace(index=0, token_ids=toks, finish_reason="stop", logprobs=_Flat([5, 9, 2], [-0.1, -0.2, -0.3]))
+    c.logprobs[:] = [{5: SimpleNamespace(logprob=-0.1)}, {9: SimpleNamespace(logprob=-0.2)},
+                     {2: SimpleNamespace(logprob=-0.3)}]
+    with pytest.raises(RuntimeError, match="position 1 .of 1. the sampled token is 6, the log-probs are for .9.*"
+                                           "cannot be trusted"):
+        to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])])
+    c.logprobs[1] = {6: SimpleNamespace(logprob=-0.2)}  # the dict path itself, when the lists agree with the tokens
+    assert to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])]).logprobs == [[-0.1, -0.2, -0.3]]
+
+
 def test_to_rollout_without_logprobs_and_bad_reason():
     c = SimpleNamespace(index=0, token_ids=[5], finish_reason="stop", logprobs=None)
     assert to_rollout([SimpleNamespace(prompt_token_ids=[1], outputs=[c])]).logprobs is None

@@ -70,6 +70,13 @@ class VLLMArgs:
     no gain measured on a VM, whose vCPU speeds the host decides (docs/performance.md, session 5)"""
     verbose: bool = False
     """print the seconds and GPU memory of every generate / sleep / wake / refit"""
+    own_process: bool = False
+    """run the rollout engine (vLLM, or the HF engine on CPU) in a process of its own (common/engine_process.py):
+    its host loop then has its own GIL, so grpo_async.py's background generation can overlap the update; weights
+    are sent as CPU tensors at each refit. One engine per rank, no tensor parallelism"""
+    engine_gpu: int = -1
+    """with --vllm.own-process: the GPU of the engine, an index into the rank's visible GPUs (-1: the rank's own);
+    e.g. 1 with torchrun --nproc_per_node=1 on 2 GPUs puts the engine on one and the trainer on the other"""
 
 
 # ---- pure helpers (CPU-tested) -------------------------------------------------------------------------------

@@ -35,14 +35,15 @@ def run(script, model, out, name, *extra):
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """The four runs the slow tests read: grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
-    weights stay those of step 0 at every step)."""
+    """The runs the slow tests read: grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
+    weights stay those of step 0 at every step); on for 3 steps with the engine in a process of its own."""
     out = tmp_path_factory.mktemp("async")
     return {"grpo": run("grpo.py", tiny_model_dir, out, "grpo"),
             "off": run("grpo_async.py", tiny_model_dir, out, "off", "--no-async-rollout"),
             "on": run("grpo_async.py", tiny_model_dir, out, "on", "--num-steps", "3"),
             "frozen": run("grpo_async.py", tiny_model_dir, out, "frozen", "--no-async-rollout", "--lr", "0",
-                          "--num-steps", "3")}
+                          "--num-steps", "3"),
+            "process": run("grpo_async.py", tiny_model_dir, out, "process", "--num-steps", "3", "--vllm.own-process")}
 
 
 @pytest.mark.slow
@@ -73,6 +74,17 @@ def test_async_rollout_comes_from_the_weights_of_one_refit_ago(runs):
     # the overlap is timed: step t waited for step t+1's generation (wait_rollout_s) before refitting, except the last
     assert [("perf/wait_rollout_s" in r) for r in on] == [True, True, False]
     assert all(r["perf/generate_s"] > 0 for r in on)
+
+
+@pytest.mark.slow
+def test_the_engine_in_a_process_of_its_own_changes_nothing_but_where_it_runs(runs):
+    """--vllm.own-process (common/engine_process.py): the same async run, its engine in a child process refit with
+    CPU copies of the weights, logs the same metrics and samples bit for bit, timings aside."""
+    (on, on_samples), (proc, proc_samples) = runs["on"], runs["process"]
+    assert [r["step"] for r in proc] == [0, 1, 2] and proc_samples == on_samples
+    for a, b in zip(on, proc):
+        keys = {k for k in a if not k.startswith("perf/") and k != "time"}
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys if k in keys}
 
 
 @pytest.mark.slow

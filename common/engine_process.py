@@ -23,6 +23,13 @@ from common.vllm_engine import bucket_by_bytes
 _SHARED_STATE = ("timings", "weights_discarded")  # engine attributes the scripts read, copied back after each call
 
 
+def check_engine_args(vllm_args) -> None:
+    """--vllm.engine-gpu places an engine in a process of its own: without --vllm.own-process it would do nothing."""
+    if vllm_args.engine_gpu != -1 and not vllm_args.own_process:
+        raise ValueError(f"--vllm.engine-gpu {vllm_args.engine_gpu} places the engine's own process: add "
+                         f"--vllm.own-process, or drop --vllm.engine-gpu (the engine then runs in the rank's process)")
+
+
 def child_gpu(engine_gpu: int, local_rank: int) -> str | None:
     """The physical GPU (a CUDA_VISIBLE_DEVICES entry) for the child: --vllm.engine-gpu, an index into the
     trainer's visible GPUs, or the rank's own (-1); None without CUDA (the child then runs on CPU)."""

@@ -11,7 +11,7 @@ from common import checkpoint as C
 from common import lora
 from common.attention import describe
 from common.data import build_prompts, load_rows
-from common.engine_process import EngineProcess, child_gpu
+from common.engine_process import EngineProcess, check_engine_args, child_gpu
 from common.env import make_env
 from common.fsdp import place_frozen, shard
 from common.membudget import resolve_microbatch  # noqa: F401  the scripts' one lazy setup step (at the first update)
@@ -133,6 +133,7 @@ def rollout_engine(args, kind: str, model_path: str, seed: int, device, tok, sto
     """The rollout engine (vLLM or the HF engine) for prompts of --max-prompt-tokens plus --max-new-tokens (with
     --env: plus an episode, RLArgs.rollout_max_len), the sampling settings every generation and evaluation of the
     run uses, and the environment of --env (common.env.EnvRunner; None without: one completion per prompt)."""
+    check_engine_args(args.vllm)
     if args.vllm.own_process:  # a child process of its own (common/engine_process.py)
         gpu = child_gpu(args.vllm.engine_gpu, device.index or 0) if device.type == "cuda" else None
         engine = EngineProcess(kind, model_path, args.vllm, args.rollout_max_len, seed, tok.pad_token_id, stop_ids, gpu)

@@ -81,3 +81,10 @@ def test_the_child_gets_the_gpu_asked_for(monkeypatch):
 def test_tensor_parallel_engines_are_refused():
     with pytest.raises(ValueError, match="tensor-parallel-size"):
         E.EngineProcess("vllm", "m", replace(VLLMArgs(), tensor_parallel_size=2), 64, 0, 0, [], None)
+
+
+def test_an_engine_gpu_without_its_own_process_is_refused():
+    with pytest.raises(ValueError, match="engine-gpu 1 places the engine's own process: add --vllm.own-process"):
+        E.check_engine_args(replace(VLLMArgs(), engine_gpu=1))
+    E.check_engine_args(replace(VLLMArgs(), engine_gpu=1, own_process=True))
+    E.check_engine_args(VLLMArgs())

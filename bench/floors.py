@@ -19,9 +19,9 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench.w05 import SHAPES, W05
 from common.flops import PEAK_FLOPS, batch_train_flops, matmul_params, model_shapes
 
-ROOT = Path(__file__).resolve().parents[1]
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e (datasheet)
 
 
@@ -44,7 +44,6 @@ def floors(config, sequences: int, prompt_tokens: float, new_tokens: int, bandwi
 
 def report(summary: dict, run: str | None, bandwidth: float, flops: float) -> list[str]:
     """Lines: per grpo sub-run, each phase's median seconds, its floor and the ratio; then the step."""
-    from bench.w05 import SHAPES, W05
     build = next(r for r in summary["runs"] if r["name"] == "build")
     config = SimpleNamespace(**SHAPES[summary.get("shape", "0.5b")])
     sequences = W05["prompts_per_step"] * W05["group_size"]

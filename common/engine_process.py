@@ -18,7 +18,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from common.vllm_engine import bucket_by_bytes
+from common.vllm_engine import DTYPES, bucket_by_bytes
 
 _SHARED_STATE = ("timings", "weights_discarded")  # engine attributes the scripts read, copied back after each call
 
@@ -135,7 +135,7 @@ class EngineProcess:
         """The engine's dtype for floating tensors (halves the copy of fp32 masters for a bf16 engine)."""
         if not (self._cast and t.is_floating_point()):
             return t.dtype
-        return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.args.dtype, t.dtype)
+        return DTYPES[self.args.dtype]
 
     def close(self) -> None:
         """Stop the child (also at exit); a second call does nothing."""

@@ -200,12 +200,15 @@ def to_rollout(outputs) -> Rollout:
             if flat is not None and len(flat) == len(toks) and c.logprobs.token_ids == toks:
                 logprobs.append(list(flat))
             else:  # list of {token id: Logprob} per position
-                if missing := [i for i, (pos, t) in enumerate(zip(c.logprobs, toks)) if t not in pos]:
+                try:
+                    logprobs.append([float(pos[t].logprob) for pos, t in zip(c.logprobs, toks)])
+                except KeyError:  # named only when it happens: no second pass over every token otherwise
+                    missing = [i for i, (pos, t) in enumerate(zip(c.logprobs, toks)) if t not in pos]
                     raise RuntimeError(f"vLLM returned log-probs that are not of the tokens it sampled: at position "
                                        f"{missing[0]} (of {len(missing)}) the sampled token is {toks[missing[0]]}, the "
                                        f"log-probs are for {sorted(c.logprobs[missing[0]])[:3]}; this rollout cannot be "
-                                       f"trusted (seen once: generation on a CUDA stream of its own, docs/grpo_async.md)")
-                logprobs.append([float(pos[t].logprob) for pos, t in zip(c.logprobs, toks)])
+                                       f"trusted (seen once: generation on a CUDA stream of its own, docs/grpo_async.md)"
+                                       ) from None
     return Rollout(prompts, responses, logprobs if have_logprobs else None, reasons)
 
 

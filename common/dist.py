@@ -66,8 +66,9 @@ def init_distributed(device: str = "auto") -> Dist:
     time out after dist_timeout().
     """
     alone = "RANK" not in os.environ  # plain python: a world of one
-    if alone:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    if alone:  # on the GPU LOCAL_RANK names, if set (common/engine_process.py sets it for the engine's process)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
+                          MASTER_ADDR="127.0.0.1")
     rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,10 +6,13 @@ make_engine: vLLM, or the HF engine on CPU) lives in a spawned child with its ow
 another one (--vllm.engine-gpu), and `EngineProcess` forwards generate / sleep / wake / load_weights to it over a
 pipe. The calling thread waits in recv() without the GIL, so the trainer runs meanwhile.
 
-Weights travel as CPU tensors in shared memory, one bucket of --vllm.refit-bucket-mb at a time (the child loads a
-bucket before the next is made): a device-to-host copy of the model per refit, and it works across GPUs. The child
-forms a process group of its own (a world of one: vLLM's external launcher needs one), so its engine is a single
-replica: no --vllm.tensor-parallel-size > 1.
+Weights travel in buckets of --vllm.refit-bucket-mb, which the child pulls into one engine.load_weights call (so the
+engine sees the whole refit, as in-process: vLLM's check that every parameter was loaded holds): the parent sends a
+bucket only after the child has taken the last one. On the rank's own GPU (the default) the buckets are CUDA tensors
+shared with the child (CUDA IPC, no copy; probed once at start); on another GPU, or if the probe fails, CPU tensors
+in shared memory (a device-to-host copy of the model per refit). The child sees the trainer's GPUs, numbered as the
+trainer numbers them, and uses the one asked for. It forms a process group of its own (a world of one: vLLM's
+external launcher needs one), so its engine is a single replica: no --vllm.tensor-parallel-size > 1.
 """
 import atexit
 import os
@@ -30,27 +33,35 @@ def check_engine_args(vllm_args) -> None:
                          f"--vllm.own-process, or drop --vllm.engine-gpu (the engine then runs in the rank's process)")
 
 
-def child_gpu(engine_gpu: int, local_rank: int) -> str | None:
-    """The physical GPU (a CUDA_VISIBLE_DEVICES entry) for the child: --vllm.engine-gpu, an index into the
-    trainer's visible GPUs, or the rank's own (-1); None without CUDA (the child then runs on CPU)."""
+def child_gpu(engine_gpu: int, device_index: int) -> int | None:
+    """The child's GPU, as an index into the GPUs the trainer sees (the child sees the same): --vllm.engine-gpu, or
+    the rank's own (-1: device_index); None without CUDA (the child then runs on CPU)."""
     if not torch.cuda.is_available():
         return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [s.strip() for s in visible.split(",")] if visible else [str(i) for i in range(torch.cuda.device_count())]
-    index = local_rank if engine_gpu < 0 else engine_gpu
-    if not 0 <= index < len(ids):
-        raise ValueError(f"--vllm.engine-gpu {engine_gpu}: this rank sees {len(ids)} GPU(s) ({','.join(ids)}); give "
-                         f"an index below {len(ids)}, or -1 for the rank's own GPU")
-    return ids[index]
+    count = torch.cuda.device_count()
+    index = device_index if engine_gpu < 0 else engine_gpu
+    if not 0 <= index < count:
+        raise ValueError(f"--vllm.engine-gpu {engine_gpu}: this rank sees {count} GPU(s); give an index below "
+                         f"{count}, or -1 for the rank's own GPU")
+    return index
 
 
-def _serve(conn, gpu: str | None, make_args: tuple) -> None:
+def _pull_buckets(conn):
+    """The child's side of a refit: the tensors of the buckets the parent sends, asking for the next bucket ("more")
+    only when the engine wants a tensor past the last one, until the parent's None."""
+    while (bucket := conn.recv()) is not None:
+        yield from bucket
+        del bucket
+        conn.send(("more", None, {}))
+
+
+def _serve(conn, gpu: int | None, make_args: tuple) -> None:
     """The child: build the engine, then answer (method, args, kwargs) until ("close",)."""
     for k in [k for k in os.environ if k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") or k.startswith(
             ("LOCAL_", "GROUP_", "ROLE_", "TORCHELASTIC_", "PET_"))]:
         del os.environ[k]  # not the trainer's group (nor torchrun's agent store): common.dist forms a world of one
     if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before CUDA starts in this process
+        os.environ["LOCAL_RANK"] = str(gpu)  # common.dist (and vLLM's external launcher) use cuda:LOCAL_RANK
     try:
         from common import dist as D
         from common.rollout import make_engine
@@ -66,7 +77,12 @@ def _serve(conn, gpu: str | None, make_args: tuple) -> None:
         if method == "close":
             break
         try:
-            value = getattr(engine, method)(*args, **kwargs)
+            if method == "probe":  # a CUDA tensor sent by the parent: does CUDA IPC hand over its values?
+                value = args[0].tolist()
+            elif method == "load_weights":  # the buckets follow on the pipe (EngineProcess.load_weights)
+                value = engine.load_weights(_pull_buckets(conn))
+            else:
+                value = getattr(engine, method)(*args, **kwargs)
             conn.send(("ok", value, {k: getattr(engine, k) for k in _SHARED_STATE}))
         except BaseException:  # noqa: BLE001
             conn.send(("error", traceback.format_exc(), {}))
@@ -77,7 +93,7 @@ class EngineProcess:
     """An engine of make_engine's in a child process; the same methods, each a round trip over a pipe."""
 
     def __init__(self, kind: str, model_path: str, vllm_args, max_model_len: int, seed: int, pad_token_id: int,
-                 stop_ids: list[int], gpu: str | None):
+                 stop_ids: list[int], gpu: int | None):
         if vllm_args.tensor_parallel_size > 1:
             raise ValueError("--vllm.own-process runs one engine per rank in a world of its own: it takes no "
                              "--vllm.tensor-parallel-size > 1")
@@ -91,8 +107,17 @@ class EngineProcess:
         child.close()
         atexit.register(self.close)
         self._answer("start")
+        self.refit_via = "cpu"  # how load_weights hands over the weights: "cuda" (IPC, same GPU) or "cpu"
+        if self._cast and gpu is not None and gpu == torch.cuda.current_device():
+            probe = torch.arange(4.0, device="cuda")
+            try:
+                if self._call("probe", probe) == probe.tolist():
+                    self.refit_via = "cuda"
+            except RuntimeError as e:  # noqa: PERF203 - once, at start
+                print(f"[engine process] CUDA IPC to the engine's process failed, refits go through CPU memory: {e}",
+                      flush=True)
 
-    def _answer(self, what: str):
+    def _answer(self, what: str, expect: str = "ok"):
         try:
             status, value, state = self._conn.recv()
         except EOFError:
@@ -100,17 +125,25 @@ class EngineProcess:
                                f"its own output above says why") from None
         if status == "error":
             raise RuntimeError(f"the rollout engine's process failed in {what}:\n{value}")
+        if status != expect:
+            raise RuntimeError(f"the rollout engine's process answered {status!r} to {what}, expected {expect!r}")
         for k, v in state.items():
             setattr(self, k, v)
         return value
 
-    def _call(self, method: str, *args, **kwargs):
+    def _send_raw(self, message, what: str = "load_weights") -> None:
         try:
-            self._conn.send((method, args, kwargs))
+            self._conn.send(message)
         except (BrokenPipeError, ConnectionResetError):
             self._proc.join(timeout=5)
             raise RuntimeError(f"the rollout engine's process is gone (exit code {self._proc.exitcode}) before "
-                               f"{method}; its own output above says why") from None
+                               f"{what}; its own output above says why") from None
+
+    def _send(self, method: str, *args, **kwargs) -> None:
+        self._send_raw((method, args, kwargs), method)
+
+    def _call(self, method: str, *args, **kwargs):
+        self._send(method, *args, **kwargs)
         return self._answer(method)
 
     def generate(self, *args, **kwargs):
@@ -125,11 +158,22 @@ class EngineProcess:
     def resident_hint(self, perf: dict):
         return self._call("resident_hint", perf)
 
-    def load_weights(self, named_tensors) -> None:
-        """Consume the whole iterator (a collective on several ranks), a bucket of CPU tensors at a time."""
-        cpu = ((name, t.detach().to("cpu", self._dtype(t))) for name, t in named_tensors)
-        for bucket in bucket_by_bytes(cpu, self.args.refit_bucket_mb * 2**20):
-            self._call("load_weights", bucket)
+    def load_weights(self, named_tensors):
+        """Consume the whole iterator (a collective on several ranks) into one engine.load_weights in the child, a
+        bucket at a time: CUDA tensors shared with the child (same GPU), else CPU tensors. An error in the middle
+        leaves the pipe out of step: the run stops (it would anyway)."""
+        device = "cuda" if self.refit_via == "cuda" else "cpu"
+        # a copy of its own (copy=True): a tensor the child maps must not be a view of the trainer's buffers
+        moved = ((name, t.detach().to(device, self._dtype(t), copy=True)) for name, t in named_tensors)
+        self._send("load_weights")
+        for bucket in bucket_by_bytes(moved, self.args.refit_bucket_mb * 2**20):
+            if device == "cuda":
+                torch.cuda.current_stream().synchronize()  # the casts are written before the child reads them
+            self._send_raw(bucket)
+            del bucket
+            self._answer("load_weights", expect="more")  # the child took it: the next may be made
+        self._send_raw(None)
+        return self._answer("load_weights")
 
     def _dtype(self, t: torch.Tensor) -> torch.dtype:
         """The engine's dtype for floating tensors (halves the copy of fp32 masters for a bf16 engine)."""

@@ -67,15 +67,62 @@ def test_a_child_that_cannot_build_its_engine_says_why(tmp_path):
 def test_the_child_gets_the_gpu_asked_for(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    assert E.child_gpu(-1, 1) == "5" and E.child_gpu(-1, 0) == "3"  # the rank's own
-    assert E.child_gpu(1, 0) == "5"  # the other GPU: engine on one, trainer on the other
+    assert E.child_gpu(-1, 1) == 1 and E.child_gpu(-1, 0) == 0  # the rank's own
+    assert E.child_gpu(1, 0) == 1  # the other GPU: engine on one, trainer on the other
     with pytest.raises(ValueError, match="engine-gpu 2: this rank sees 2 GPU"):
         E.child_gpu(2, 0)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert E.child_gpu(1, 0) == "1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert E.child_gpu(1, 0) is None
+
+
+def test_a_world_of_one_keeps_the_local_rank_it_is_given(monkeypatch):
+    """The engine's process is a world of one on the trainer's GPU numbering: common.dist must keep the LOCAL_RANK
+    _serve sets (it used to force 0), and still default to 0."""
+    import torch.distributed as dist
+    from common import dist as D
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    d = D.init_distributed("cpu")
+    try:
+        assert (d.rank, d.world_size, d.local_rank) == (0, 1, 3)
+    finally:
+        D.cleanup()
+    monkeypatch.delenv("LOCAL_RANK")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    d = D.init_distributed("cpu")
+    try:
+        assert d.local_rank == 0
+    finally:
+        D.cleanup()
+
+
+def test_a_refit_is_one_engine_call_fed_bucket_by_bucket(tiny_model_dir):
+    """The child hands the whole refit to ONE engine.load_weights (vLLM checks there that every parameter came), the
+    parent making a bucket only after the child took the last: with buckets of ~1 tensor, many round trips."""
+    there = E.EngineProcess("hf", str(tiny_model_dir), replace(VLLMArgs(), refit_bucket_mb=0), 64, 0, 0, [], None)
+    try:
+        assert there.refit_via == "cpu"  # no GPU here: CPU tensors in shared memory
+        sent = []
+
+        def named():
+            here = HFEngine(str(tiny_model_dir), torch.device("cpu"), pad_token_id=0, eos_token_ids=[])
+            for n, p in here.model.named_parameters():
+                sent.append(n)
+                yield n, p.detach() * 0  # all zeros: every logit equal after the refit
+        there.load_weights(named())
+        assert len(sent) > 3
+        # zero weights: every response log-prob is the uniform one, so the refit took all of them
+        r = sample(there)
+        vocab = HFEngine(str(tiny_model_dir), torch.device("cpu"), pad_token_id=0, eos_token_ids=[]).model.config.vocab_size
+        flat = [x for lp in r.logprobs for x in lp]
+        assert flat and max(abs(x + torch.log(torch.tensor(float(vocab))).item()) for x in flat) < 1e-4
+        assert sample(there).response_ids == r.response_ids  # the pipe is in step after the refit
+    finally:
+        there.close()
 
 
 def test_tensor_parallel_engines_are_refused():
@@ -88,3 +135,36 @@ def test_an_engine_gpu_without_its_own_process_is_refused():
         E.check_engine_args(replace(VLLMArgs(), engine_gpu=1))
     E.check_engine_args(replace(VLLMArgs(), engine_gpu=1, own_process=True))
     E.check_engine_args(VLLMArgs())
+
+
+# ---- GPU + vLLM: the engine in its own process on the trainer's GPU ------------------------------------------------
+
+@pytest.mark.gpu
+def test_vllm_in_its_own_process_refits_over_cuda_ipc_and_over_cpu(tmp_path):
+    """vLLM in the child on this process's GPU: the CUDA IPC probe succeeds, and a level-2 refit in several buckets
+    (one engine.load_weights: vLLM checks every parameter came) takes, by either path. As tests/test_vllm_engine.py's
+    refit test: greedy tokens within `tol` logits of transformers' argmax under the new weights (~15 below if not)."""
+    from test_vllm_engine import HAS_GPU_VLLM, _assert_transformers_argmax, _greedy, _prompts, _tiny_qwen2
+    if not HAS_GPU_VLLM:
+        pytest.skip("needs a CUDA GPU and vLLM")
+    first = _tiny_qwen2(tmp_path / "first", seed=0)
+    second = _tiny_qwen2(tmp_path / "second", seed=1)
+    args = replace(VLLMArgs(), gpu_memory_utilization=0.2, max_num_seqs=16, enforce_eager=True, refit_bucket_mb=16)
+    there = E.EngineProcess("vllm", str(tmp_path / "first"), args, 128, 0, 0, [], E.child_gpu(-1, 0))
+    try:
+        assert there.refit_via == "cuda"
+        prompts = _prompts()
+        before = _greedy(there, prompts)
+        for via, model in (("cuda", second), ("cpu", first), ("cuda", second)):
+            there.refit_via = via
+            there.sleep()
+            there.wake(["weights"])
+            assert there.weights_discarded  # level 2: nothing to generate with until the refit
+            there.load_weights((n, p.detach().cuda()) for n, p in model.named_parameters())  # ~80 MB: 5+ buckets
+            there.wake(["kv_cache"])
+            assert not there.weights_discarded
+            after = _greedy(there, prompts)
+            _assert_transformers_argmax(after, model)
+            assert (after.response_ids == before.response_ids) == (model is first), via
+    finally:
+        there.close()

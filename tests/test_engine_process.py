@@ -153,18 +153,19 @@ def test_vllm_in_its_own_process_refits_over_cuda_ipc_and_over_cpu(tmp_path):
     there = E.EngineProcess("vllm", str(tmp_path / "first"), args, 128, 0, 0, [], E.child_gpu(-1, 0))
     try:
         assert there.refit_via == "cuda"
-        prompts = _prompts()
-        before = _greedy(there, prompts)
-        for via, model in (("cuda", second), ("cpu", first), ("cuda", second)):
+        prompts, outs = _prompts(), []
+        for i, (via, model) in enumerate((("cuda", first), ("cuda", second), ("cpu", first))):
             there.refit_via = via
-            there.sleep()
+            if i:  # make_engine hands the engine over asleep
+                there.sleep()
             there.wake(["weights"])
             assert there.weights_discarded  # level 2: nothing to generate with until the refit
             there.load_weights((n, p.detach().cuda()) for n, p in model.named_parameters())  # ~80 MB: 5+ buckets
             there.wake(["kv_cache"])
             assert not there.weights_discarded
-            after = _greedy(there, prompts)
-            _assert_transformers_argmax(after, model)
-            assert (after.response_ids == before.response_ids) == (model is first), via
+            out = _greedy(there, prompts)
+            _assert_transformers_argmax(out, model)
+            outs.append(out.response_ids)
+        assert outs[0] != outs[1] and outs[2] == outs[0]
     finally:
         there.close()

@@ -1,9 +1,9 @@
 # Forked from grpo.py: one-step off-policy rollouts (issue 20)
 """GRPO with one-step off-policy rollouts (docs/grpo_async.md): while the trainer learns from step t's rollout, the
-engine generates step t+1's on a background thread with the weights it holds, the trainer's of one refit ago.
+engine (in a process of its own) generates step t+1's with the weights it holds, the trainer's of one refit ago.
 
-Papers: GRPO (Shao et al. 2024) https://arxiv.org/abs/2402.03300
-        Asynchronous RLHF (Noukhovitch et al. 2024) https://arxiv.org/abs/2410.18252 (one-step off-policy RL for LMs)
+Papers: GRPO (Shao et al. 2024) https://arxiv.org/abs/2402.03300; Asynchronous RLHF (Noukhovitch et al. 2024)
+        https://arxiv.org/abs/2410.18252 (one-step off-policy RL for LMs)
 
 Each step t (numbers match the phases in the loop; --no-async-rollout is grpo.py exactly):
   1. generate  at the first step (also after --resume) now; later, take the rollout made during step t-1's update by
@@ -15,18 +15,17 @@ Each step t (numbers match the phases in the loop; --no-async-rollout is grpo.py
 
 Deviations from grpo.py (whose docstring has GRPO's, DAPO's and the variants) with --async-rollout:
   1. The rollout is one refit stale (num_minibatches x num_epochs optimiser steps), except at the first step.
-  2. The engine never sleeps (it generates during the update): engine and trainer must fit on the GPU together.
-  3. No --dynamic-sampling-max-rounds > 1, --tis-cap or --vllm.tensor-parallel-size > 1. Not faster on one GPU.
+  2. The engine never sleeps (it generates during the update) and runs in a process of its own (--vllm.own-process
+     is the default here: with its own GIL the generation overlaps the update). Both must fit on the GPU together.
+  3. No --dynamic-sampling-max-rounds > 1, --tis-cap or --vllm.tensor-parallel-size > 1.
 
-Launch:
-  CPU:     python grpo_async.py
-  N GPUs:  torchrun --nproc_per_node=N grpo_async.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
-               --dataset-config main (runs/grpo_async_gsm8k_qwen05b.sh; docs/grpo_async.md: the H200 measurements)
+Launch: python grpo_async.py (CPU); torchrun --nproc_per_node=N grpo_async.py --model Qwen/Qwen2.5-0.5B-Instruct \
+    --dataset openai/gsm8k --dataset-config main (runs/grpo_async_gsm8k_qwen05b.sh; docs/grpo_async.md: H200 runs)
 """
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -54,6 +53,7 @@ from common.rollout import (RolloutBatch, gather_rollout, generate, log_step, me
 from common.run_dir import claim_run_dir
 from common.stop import install_stop_handler
 from common.tracking import Profile, Progress, timed
+from common.vllm_engine import VLLMArgs
 
 
 @dataclass
@@ -71,6 +71,7 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     async_rollout: bool = True
     """one-step off-policy: generate step t+1's rollout during step t's update, by the weights of one refit ago, with
     the behaviour policy's log-probs as pi_old (--no-async-rollout: grpo.py's synchronous loop)"""
+    vllm: VLLMArgs = field(default_factory=lambda: VLLMArgs(own_process=True))  # --vllm.*, own process by default
     group_size: int = 8
     """G: completions sampled per prompt"""
     adv_estimator: Literal["grpo", "rloo", "reinforce++", "reinforce++-baseline"] = "grpo"
@@ -125,9 +126,8 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     """token budget of one no-grad packed forward (reference, old log-probs: no backward, more fits); 0: 4x the above"""
     # ---- profiling ---------------------------------------------------------------------------------------
     profile_step: int = -1
-    """profile this step with torch.profiler: the generate phase (top kernels to <run>/profile_step<k>_generate.txt)
-    and the learning phases (reference / old log-probs, update: <run>/profile_step<k>.txt, Chrome trace beside
-    it); the tables are printed too (-1: off)"""
+    """profile this step with torch.profiler: the generate phase (<run>/profile_step<k>_generate.txt) and the learning
+    phases (reference / old log-probs, update: <run>/profile_step<k>.txt, Chrome trace beside it); -1: off"""
 
     @property
     def sequences_per_step(self) -> int:

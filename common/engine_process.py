@@ -96,7 +96,7 @@ class EngineProcess:
                  stop_ids: list[int], gpu: int | None):
         if vllm_args.tensor_parallel_size > 1:
             raise ValueError("--vllm.own-process runs one engine per rank in a world of its own: it takes no "
-                             "--vllm.tensor-parallel-size > 1")
+                             "--vllm.tensor-parallel-size > 1 (add --vllm.no-own-process; grpo_async.py has it on)")
         self.args, self.timings, self.weights_discarded = vllm_args, {}, False
         self._cast = kind == "vllm"  # vLLM computes in --vllm.dtype; the HF engine keeps the trainer's dtype
         ctx = mp.get_context("spawn")

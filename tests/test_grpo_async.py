@@ -36,14 +36,15 @@ def run(script, model, out, name, *extra):
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     """The runs the slow tests read: grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
-    weights stay those of step 0 at every step); on for 3 steps with the engine in a process of its own."""
+    weights stay those of step 0 at every step); on for 3 steps, the engine in the trainer's process (a thread);
+    on for 3 steps with the defaults: the engine in a process of its own."""
     out = tmp_path_factory.mktemp("async")
     return {"grpo": run("grpo.py", tiny_model_dir, out, "grpo"),
             "off": run("grpo_async.py", tiny_model_dir, out, "off", "--no-async-rollout"),
-            "on": run("grpo_async.py", tiny_model_dir, out, "on", "--num-steps", "3"),
+            "on": run("grpo_async.py", tiny_model_dir, out, "on", "--num-steps", "3", "--vllm.no-own-process"),
             "frozen": run("grpo_async.py", tiny_model_dir, out, "frozen", "--no-async-rollout", "--lr", "0",
                           "--num-steps", "3"),
-            "process": run("grpo_async.py", tiny_model_dir, out, "process", "--num-steps", "3", "--vllm.own-process")}
+            "process": run("grpo_async.py", tiny_model_dir, out, "process", "--num-steps", "3")}  # the default
 
 
 @pytest.mark.slow
@@ -110,6 +111,7 @@ def test_ratio_divides_by_the_behaviour_log_probs():
     0.3, behaviour 0.3 -> ratio 1. Had the trainer's own log-prob been pi_old, both ratios would be 1 (loss -1)."""
     args = grpo_async.Args()
     assert args.async_rollout and not args.recompute_old_logp  # the default: no trainer pass for pi_old
+    assert args.vllm.own_process and not grpo_async.Args(vllm=grpo_async.VLLMArgs()).vllm.own_process  # grpo.py's off
     assert grpo_async.Args(num_minibatches=2).recompute_old_logp is False  # even with 2 optimiser steps a rollout
     assert grpo_async.Args(num_minibatches=2, async_rollout=False).recompute_old_logp  # grpo.py's rule when off
     logp = torch.log(torch.tensor([[0.5, 0.3]])).requires_grad_()  # (1, 2) the trainer's pi
@@ -136,8 +138,8 @@ def test_async_rejects_flags_it_cannot_honour(tiny_model_dir, tmp_path, flag):
 
 def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
     """runs/grpo_async_gsm8k_qwen05b.sh (a GPU recipe, not run on CPU) parses, turns the async mode on, and sets every
-    flag as runs/grpo_gsm8k_qwen05b.sh does for grpo.py but --tis-cap (refused in async mode), so the two runs compare
-    one to one."""
+    flag as runs/grpo_gsm8k_qwen05b.sh does for grpo.py but --tis-cap (refused in async mode) and where the engine runs
+    (grpo_async.py's default: a process of its own), so the two runs compare one to one."""
     import dataclasses
     import grpo
     from common.args import cli
@@ -154,6 +156,7 @@ def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
     assert async_.pop("async_rollout") is True
     assert (sync.pop("exp_name"), async_.pop("exp_name")) == ("grpo_gsm8k_qwen05b", "grpo_async_gsm8k_qwen05b")
     assert (sync.pop("tis_cap"), async_.pop("tis_cap")) == (2.0, 0.0)  # TIS is refused with --async-rollout
+    assert (sync["vllm"].pop("own_process"), async_["vllm"].pop("own_process")) == (False, True)  # the script's default
     assert async_ == sync
     assert (sync["rollout"], sync["num_steps"], sync["vllm"]["sleep_level"]) == ("vllm", 100, 0)
 

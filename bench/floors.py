@@ -16,11 +16,13 @@ Floors (lower bounds, not estimates of what is reachable):
 """
 import argparse
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.w05 import SHAPES, W05
-from common.flops import PEAK_FLOPS, batch_train_flops, matmul_params, model_shapes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/floors.py` from anywhere
+from bench.w05 import SHAPES, W05  # noqa: E402
+from common.flops import PEAK_FLOPS, batch_train_flops, matmul_params, model_shapes  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e (datasheet)
 
@@ -63,7 +65,8 @@ def report(summary: dict, run: str | None, bandwidth: float, flops: float) -> li
                              + ("  (in the background: not part of the step)" if background and k == "generate_s"
                                 else ""))
         rest = r["step_s"] - sum(r.get(k, 0.0) for k in fl if not (background and k == "generate_s"))
-        lines.append(f"  {'the rest':<10} {rest:7.2f} s  (score, refit, sleep / wake, gather, logging)")
+        lines.append(f"  {'the rest':<10} {rest:7.2f} s  (score, refit, sleep / wake, gather, logging"
+                     + (", waiting for the background generation)" if background else ")"))
     return lines
 
 

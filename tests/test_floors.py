@@ -1,4 +1,8 @@
 """bench/floors.py: the W05 step's floors (issue 20) by hand on a small config, and the report's arithmetic."""
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -37,4 +41,19 @@ def test_report_sets_each_phase_against_its_floor_and_keeps_background_generatio
     rest = [ln for ln in lines if "the rest" in ln]
     assert [float(ln.split()[2]) for ln in rest] == [1.0, 1.0]  # 10 - 5 - 1 - 3; 14 - 2 - 11 (generation aside)
     assert sum("in the background" in ln for ln in lines) == 1
+    assert ["waiting for the background" in ln for ln in rest] == [False, True]  # grpo_async's rest holds its wait
     assert len(F.report(summary, "grpo-a", 4.8e12, 790e12)) == 6  # the header, the step, 3 phases, the rest
+
+
+def test_runs_as_its_docstring_says_from_any_folder(tmp_path):
+    """`python bench/floors.py SUMMARY` (the usage line), started outside the repository: it finds its imports."""
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"shape": "0.5b", "runs": [
+        {"name": "build", "prompts": {"prompt_tokens_mean": 256.0}},
+        {"name": "grpo-a", "kind": "grpo", "script": "grpo.py", "step_s": 10.0, "generate_s": 5.0,
+         "ref_logp_s": 1.0, "update_s": 3.0}]}))
+    script = Path(F.__file__).resolve()
+    out = subprocess.run([sys.executable, str(script), str(summary)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "grpo-a: step 10.00 s" in out.stdout

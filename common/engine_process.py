@@ -46,10 +46,16 @@ def child_gpu(engine_gpu: int, device_index: int) -> int | None:
     return index
 
 
+class _Closed(Exception):
+    """The parent closed the engine in the middle of a refit (it failed while making the buckets)."""
+
+
 def _pull_buckets(conn):
     """The child's side of a refit: the tensors of the buckets the parent sends, asking for the next bucket ("more")
-    only when the engine wants a tensor past the last one, until the parent's None."""
+    only when the engine wants a tensor past the last one, until the parent's None (or its close: _Closed)."""
     while (bucket := conn.recv()) is not None:
+        if isinstance(bucket, tuple) and bucket[:1] == ("close",):
+            raise _Closed
         yield from bucket
         del bucket
         conn.send(("more", None, {}))
@@ -84,6 +90,8 @@ def _serve(conn, gpu: int | None, make_args: tuple) -> None:
             else:
                 value = getattr(engine, method)(*args, **kwargs)
             conn.send(("ok", value, {k: getattr(engine, k) for k in _SHARED_STATE}))
+        except _Closed:
+            break
         except BaseException:  # noqa: BLE001
             conn.send(("error", traceback.format_exc(), {}))
     D.cleanup()

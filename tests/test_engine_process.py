@@ -59,6 +59,25 @@ def test_a_dead_child_is_named(tiny_model_dir):
     there.close()  # nothing left to stop: no error
 
 
+def test_a_refit_the_trainer_abandons_midway_does_not_hold_up_the_close(tiny_model_dir):
+    """The trainer fails while making the refit's buckets (an FSDP gather, say) and exits: close() must not wait its
+    60 s for a child still waiting for the next bucket; the child takes the close and stops."""
+    import time
+    there = E.EngineProcess("hf", str(tiny_model_dir), replace(VLLMArgs(), refit_bucket_mb=0), 64, 0, 0, [], None)
+
+    def failing():
+        here = HFEngine(str(tiny_model_dir), torch.device("cpu"), pad_token_id=0, eos_token_ids=[])
+        for i, (n, p) in enumerate(here.model.named_parameters()):
+            if i == 2:
+                raise RuntimeError("the gather failed")
+            yield n, p.detach()
+    with pytest.raises(RuntimeError, match="the gather failed"):
+        there.load_weights(failing())
+    t0 = time.perf_counter()
+    there.close()
+    assert time.perf_counter() - t0 < 20 and there._proc.exitcode == 0
+
+
 def test_a_child_that_cannot_build_its_engine_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="(?s)failed in start.*Traceback"):
         E.EngineProcess("hf", str(tmp_path / "no-such-model"), VLLMArgs(), 64, 0, 0, [], None)

@@ -2,8 +2,7 @@
 """GRPO with one-step off-policy rollouts (docs/grpo_async.md): while the trainer learns from step t's rollout, the
 engine (in a process of its own) generates step t+1's with the weights it holds, the trainer's of one refit ago.
 
-Papers: GRPO (Shao et al. 2024) https://arxiv.org/abs/2402.03300; Asynchronous RLHF (Noukhovitch et al. 2024)
-        https://arxiv.org/abs/2410.18252 (one-step off-policy RL for LMs)
+Papers: GRPO https://arxiv.org/abs/2402.03300; Asynchronous RLHF (Noukhovitch et al.) https://arxiv.org/abs/2410.18252
 
 Each step t (numbers match the phases in the loop; --no-async-rollout is grpo.py exactly):
   1. generate  at the first step (also after --resume) now; later, take the rollout made during step t-1's update by
@@ -15,8 +14,7 @@ Each step t (numbers match the phases in the loop; --no-async-rollout is grpo.py
 
 Deviations from grpo.py (whose docstring has GRPO's, DAPO's and the variants) with --async-rollout:
   1. The rollout is one refit stale (num_minibatches x num_epochs optimiser steps), except at the first step.
-  2. The engine never sleeps (it generates during the update) and runs in a process of its own (--vllm.own-process
-     is the default here: with its own GIL the generation overlaps the update). Both must fit on the GPU together.
+  2. The engine never sleeps (it generates during the update; in its own process by default): both fit on the GPU.
   3. No --dynamic-sampling-max-rounds > 1, --tis-cap or --vllm.tensor-parallel-size > 1.
 
 Launch: python grpo_async.py (CPU); torchrun --nproc_per_node=N grpo_async.py --model Qwen/Qwen2.5-0.5B-Instruct \
@@ -31,8 +29,7 @@ from typing import Literal
 
 import torch
 
-from common import dist as D
-from common import lora
+from common import dist as D, lora
 from common.attention import attn_kwargs
 from common.args import LossAgg, RLArgs, cli
 from common.data import PromptSampler
@@ -46,8 +43,8 @@ from common.perf import perf_metrics
 from common.progress import show_phase
 from common.reward_model import rollout_reward_model
 from common.rewards import load_reward_fn, with_workers
-from common.rl_setup import (check_geometry, load_policy, load_prompt_splits, resolve_microbatch, resolve_model_once,
-                             resume_run, rollout_engine, start_tracking)
+from common.rl_setup import (BehaviourPolicy, check_geometry, load_policy, load_prompt_splits, resolve_microbatch,
+                             resolve_model_once, resume_run, rollout_engine, start_tracking)
 from common.rollout import (RolloutBatch, gather_rollout, generate, log_step, merge_rollouts, rollout_metrics,
                             score_rollout, sync_engine)
 from common.run_dir import claim_run_dir
@@ -69,9 +66,10 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     """AdamW learning rate (CPU default: moves the 135M default model within 10 steps; runs/ recipes set their own)"""
     # ---- algorithm ---------------------------------------------------------------------------------------
     async_rollout: bool = True
-    """one-step off-policy: generate step t+1's rollout during step t's update, by the weights of one refit ago, with
-    the behaviour policy's log-probs as pi_old (--no-async-rollout: grpo.py's synchronous loop)"""
+    """one-step off-policy: step t+1's rollout is generated during step t's update (--no-async-rollout: grpo.py)"""
     vllm: VLLMArgs = field(default_factory=lambda: VLLMArgs(own_process=True))  # --vllm.*, own process by default
+    behaviour_logp: Literal["engine", "trainer"] = "engine"
+    """--async-rollout's pi_old: the engine's log-probs, or the trainer's from a frozen copy of the sampling weights"""
     group_size: int = 8
     """G: completions sampled per prompt"""
     adv_estimator: Literal["grpo", "rloo", "reinforce++", "reinforce++-baseline"] = "grpo"
@@ -365,7 +363,7 @@ def main(args: Args) -> None:
     if args.async_rollout and (args.dynamic_sampling_max_rounds > 1 or args.tis_cap > 0
                                or args.vllm.tensor_parallel_size > 1):  # the engine generates during the update
         raise ValueError("--async-rollout takes no --dynamic-sampling-max-rounds > 1 (the engine is busy), --tis-cap "
-                         "(pi_old is the engine's already: weight 1) or --vllm.tensor-parallel-size > 1 (vLLM's "
+                         "(pi_old is the behaviour policy's: weight 1) or --vllm.tensor-parallel-size > 1 (vLLM's "
                          "collectives on a second thread); drop those flags, or add --no-async-rollout")
     check_geometry(args, d.world_size, (("dynamic_sampling_max_rounds", 1),))
     run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite)  # one run at a time
@@ -387,6 +385,7 @@ def main(args: Args) -> None:
     reward_fn = with_workers(load_reward_fn(args.reward_fn), args.reward_workers)  # --reward-workers: a pool
     rm = rollout_reward_model(args, tok, d)  # --reward-model: whole on each rank, on the GPU only to score
     engine, sampling, env = rollout_engine(args, rollout_kind, model_path, args.seed, d.device, tok, stop_ids)
+    behaviour = BehaviourPolicy.make(args, model_path, d.device)  # --behaviour-logp trainer: pi_old's weights
 
     state = {"policy": (policy, optimizer), "scheduler": scheduler} | (rm.state() if rm else {})  # + RM norm
     # resume: model, optimiser, LR schedule, kl_coef (beta, the adaptive controller's state), RNG, data position
@@ -395,8 +394,8 @@ def main(args: Args) -> None:
     tracker = start_tracking(args, d, run_dir, start, resume_from, {"model_path": model_path}, {
         "prompts / step (P)": args.prompts_per_step, "group size (G)": args.group_size,
         "sequences / step (P*G)": args.sequences_per_step, **lora.table(policy),
-        "old log-prob pass": "yes" if args.recompute_old_logp else "no (one step per rollout)",
-        "rollout": "one step off-policy, pi_old: the engine's" if args.async_rollout else "on-policy (grpo.py)"},
+        "old log-prob pass": "yes" if args.recompute_old_logp or behaviour else "no (one step per rollout)",
+        "rollout": f"one step off-policy, pi_old: the {args.behaviour_logp}'s" if args.async_rollout else "on-policy"},
         plan, ref, ref_early, rollout_kind, len(train), dropped)
 
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
@@ -429,13 +428,13 @@ def main(args: Args) -> None:
                 examples = sampler.next_batch()
                 show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
                 rollout = generate(engine, examples, G, args.temperature, seed_of(step, len(parts)), sampling, perf,
-                                   logprobs=args.async_rollout or args.tis_cap > 0 or  # async: pi_old is the engine's
+                                   logprobs=(args.async_rollout and not behaviour) or args.tis_cap > 0 or  # pi_old
                                    (args.engine_logprobs_every > 0 and step % args.engine_logprobs_every == 0), env=env)
             prof.stop(d.is_main)  # the generate phase alone: kernel time vs wall time, Python functions (no trace)
             if args.async_rollout and step + 1 < args.num_steps:  # step t+1's rollout, by these weights, while t learns
                 next_examples, gen_perf = sampler.next_batch(), {}  # the engine stays awake: no sleep
                 pending = pool.submit(generate, engine, next_examples, G, args.temperature, seed_of(step + 1, 0),
-                                      sampling, gen_perf, logprobs=True, env=env)  # a thread: no collective in it
+                                      sampling, gen_perf, logprobs=not behaviour, env=env)  # no collective in it
             elif not args.async_rollout:
                 with timed(perf, "sleep"):
                     engine.sleep()  # hand the memory to training
@@ -474,7 +473,8 @@ def main(args: Args) -> None:
             with timed(perf, "ref_logp"):
                 ref_logp = sequence_logprobs(ref, *seqs, args.temperature, width, d.device)
         # pi_old: the behaviour policy's with --async-rollout (the engine's log-probs of what it sampled, a refit ago)
-        old_logp = engine_logp if args.async_rollout else None  # else None: pi.detach() (one optimiser step a rollout)
+        old_logp = (behaviour.logprobs(policy, not stale, seqs, args.temperature, width, d.device, perf) if behaviour
+                    else engine_logp if args.async_rollout else None)  # None: pi.detach() (one optimiser step)
         if old_logp is None and (args.recompute_old_logp or args.kl_in_reward) and rows:  # --kl-in-reward: KL of pi_old
             with timed(perf, "old_logp"):
                 old_logp = sequence_logprobs(policy, *seqs, args.temperature, width, d.device)
@@ -524,7 +524,7 @@ def main(args: Args) -> None:
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
             **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) / ntok,
                 "rollout/logprob_gap_max": float(stats["gap_max"])}  # async: pi_old is the engine's: gap 0
-               if engine_mask.any() and not args.async_rollout else {}),
+               if engine_mask.any() and (behaviour or not args.async_rollout) else {}),
         } | perf_metrics(perf, t_step, lm.config, batch.lengths, batch.response_len.tolist(), rows,
                          {"ref_logp": (1, False), "old_logp": (1, False), "update": (args.num_epochs, True)},
                          d.world_size, args.peak_flops, d.device)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
@@ -271,6 +271,19 @@ def iter_full_params(model: nn.Module, prefix: str = "", gather_all: bool = Fals
     finally:
         if gather_all:
             reshard(model)
+
+
+@torch.no_grad()
+def copy_params(src: nn.Module, dst: nn.Module) -> None:
+    """dst's parameters := src's, cast to dst's dtype: two models of one architecture, each placed by shard(). A
+    collective (iter_full_params): one full tensor at a time is gathered and every rank keeps its own shard of it."""
+    params = dict(dst.named_parameters())
+    for name, full in iter_full_params(src):
+        p = params[name]
+        if isinstance(p, DTensor):  # sliced where it is (src_data_rank None: every rank holds the same full tensor)
+            p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+        else:
+            p.copy_(full)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:

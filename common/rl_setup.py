@@ -13,11 +13,12 @@ from common.attention import describe
 from common.data import build_prompts, load_rows
 from common.engine_process import EngineProcess, check_engine_args, child_gpu
 from common.env import make_env
-from common.fsdp import place_frozen, shard
+from common.fsdp import copy_params, place_frozen, shard
 from common.membudget import resolve_microbatch  # noqa: F401  the scripts' one lazy setup step (at the first update)
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from common.passes import sequence_logprobs
 from common.rollout import make_engine
-from common.tracking import make_tracker, print_table, to_dict
+from common.tracking import make_tracker, print_table, timed, to_dict
 
 
 SIZES = (("num_steps", 0), ("prompts_per_step", 1), ("eval_size", 0), ("eval_n", 0), ("max_prompt_tokens", 1),
@@ -127,6 +128,37 @@ def load_policy(args, model_path: str, device):
         rlm = load_causal_lm(model_path, args.attn_impl, trainable=False)
         ref, ref_early = place_frozen(rlm, args.fsdp, device, args.reference, root=TokenLogProbs(rlm, args.logprob_impl))
     return tok, eos_token_ids(tok, model_path), lm, policy, plan, ref, ref_early
+
+
+class BehaviourPolicy:
+    """grpo_async.py --behaviour-logp trainer: a frozen copy of the policy, sharded as it is, that holds the weights
+    the engine sampled the current rollout with (one refit behind the trainer) and scores that rollout: the exact
+    pi_old of the one-step off-policy ratio, computed by the trainer, so the engine is asked for no log-probs."""
+
+    @classmethod
+    def make(cls, args, model_path: str, device) -> "BehaviourPolicy | None":
+        """One with --behaviour-logp trainer and --async-rollout (without, pi_old is the policy: grpo.py), else None."""
+        return cls(args, model_path, device) if args.behaviour_logp == "trainer" and args.async_rollout else None
+
+    def __init__(self, args, model_path: str, device):
+        if args.lora.rank:
+            raise ValueError("--behaviour-logp trainer keeps a second copy of the whole policy: not with LoRA "
+                             "(--lora.rank > 0); use --behaviour-logp engine")
+        lm = load_causal_lm(model_path, args.attn_impl, trainable=False)
+        self.model = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl))[0]
+
+    def logprobs(self, policy, fresh: bool, seqs: tuple, temperature: float, width: int, device,
+                 perf: dict) -> torch.Tensor:
+        """pi_old of `seqs` (passes.sequence_logprobs' arguments), (B, width), timed as perf's old_logp (the pass it
+        stands for); fresh: the policy itself sampled them (the first step, also after a resume). Then the copy takes
+        the policy's weights, which sample the rollout generating now (started before this step's update), for the
+        next step."""
+        with timed(perf, "old_logp"):
+            if fresh:
+                copy_params(policy, self.model)
+            out = sequence_logprobs(self.model, *seqs, temperature, width, device)
+            copy_params(policy, self.model)
+        return out
 
 
 def rollout_engine(args, kind: str, model_path: str, seed: int, device, tok, stop_ids):

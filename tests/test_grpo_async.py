@@ -37,14 +37,17 @@ def run(script, model, out, name, *extra):
 def runs(tiny_model_dir, tmp_path_factory):
     """The runs the slow tests read: grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
     weights stay those of step 0 at every step); on for 3 steps, the engine in the trainer's process (a thread);
-    on for 3 steps with the defaults: the engine in a process of its own."""
+    on for 3 steps with the defaults: the engine in a process of its own; on for 3 steps with pi_old scored by the
+    trainer (--behaviour-logp trainer)."""
     out = tmp_path_factory.mktemp("async")
     return {"grpo": run("grpo.py", tiny_model_dir, out, "grpo"),
             "off": run("grpo_async.py", tiny_model_dir, out, "off", "--no-async-rollout"),
             "on": run("grpo_async.py", tiny_model_dir, out, "on", "--num-steps", "3", "--vllm.no-own-process"),
             "frozen": run("grpo_async.py", tiny_model_dir, out, "frozen", "--no-async-rollout", "--lr", "0",
                           "--num-steps", "3"),
-            "process": run("grpo_async.py", tiny_model_dir, out, "process", "--num-steps", "3")}  # the default
+            "process": run("grpo_async.py", tiny_model_dir, out, "process", "--num-steps", "3"),  # the default
+            "trainer": run("grpo_async.py", tiny_model_dir, out, "trainer", "--num-steps", "3", "--behaviour-logp",
+                           "trainer", "--vllm.no-own-process")}
 
 
 @pytest.mark.slow
@@ -86,6 +89,24 @@ def test_the_engine_in_a_process_of_its_own_changes_nothing_but_where_it_runs(ru
     for a, b in zip(on, proc):
         keys = {k for k in a if not k.startswith("perf/") and k != "time"}
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys if k in keys}
+
+
+@pytest.mark.slow
+def test_behaviour_log_probs_scored_by_the_trainer_are_the_engine_s(runs):
+    """--behaviour-logp trainer: a frozen copy of the policy one refit behind scores pi_old instead of the engine.
+    The HF engine's log-probs are fp32 computations of the same weights, so the two runs must agree to float error:
+    the same samples (steps 0-2), losses and clip fractions. A copy holding the trainer's current weights would give
+    ratio 1 (clip fraction 0 at steps 1-2, as grpo.py), one lagging two refits other losses. The engine is asked for
+    log-probs only at the synchronous step 0 (the logprob gap is logged there: engine vs trainer, same weights)."""
+    (on, on_samples), (tr, tr_samples) = runs["on"], runs["trainer"]
+    assert [r["step"] for r in tr] == [0, 1, 2] and [r["rollout/staleness"] for r in tr] == [0, 1, 1]
+    assert tr_samples[0] == on_samples[0] and tr_samples[1] == on_samples[1]
+    assert tr[1]["train/clip_frac"] > 0 and tr[2]["train/clip_frac"] > 0
+    for a, b in zip(on, tr):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-4)
+        assert b["train/clip_frac"] == pytest.approx(a["train/clip_frac"], abs=0.02)
+    assert tr[0]["rollout/logprob_gap_mean"] < 1e-4 and "rollout/logprob_gap_mean" not in tr[1]
+    assert "perf/old_logp_s" in tr[1]  # the behaviour pass, timed as pi_old's pass
 
 
 @pytest.mark.slow
@@ -153,7 +174,7 @@ def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
     sync = parsed(grpo, base)
     async_ = parsed(grpo_async,
                     base + recipe_flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
-    assert async_.pop("async_rollout") is True
+    assert async_.pop("async_rollout") is True and async_.pop("behaviour_logp") == "engine"
     assert (sync.pop("exp_name"), async_.pop("exp_name")) == ("grpo_gsm8k_qwen05b", "grpo_async_gsm8k_qwen05b")
     assert (sync.pop("tis_cap"), async_.pop("tis_cap")) == (2.0, 0.0)  # TIS is refused with --async-rollout
     assert (sync["vllm"].pop("own_process"), async_["vllm"].pop("own_process")) == (False, True)  # the script's default
@@ -176,3 +197,18 @@ def test_the_async_recipes_flags_pass_the_scripts_checks(tmp_path):
     assert p.returncode != 0
     assert "--async-rollout takes no" not in p.stderr, p.stderr[-2000:]
     assert "no-such-model.gguf" in p.stderr, p.stderr[-2000:]
+
+
+def test_the_behaviour_copy_is_made_only_for_async_runs_and_refused_with_lora():
+    """--behaviour-logp trainer: a copy only with --async-rollout (grpo.py's pi_old otherwise: none needed), never by
+    default, and not with LoRA (it would copy the whole policy beside the frozen base the adapters share)."""
+    from dataclasses import replace
+
+    from common.rl_setup import BehaviourPolicy
+    cpu = torch.device("cpu")
+    assert BehaviourPolicy.make(grpo_async.Args(), "no-model", cpu) is None  # engine: the default
+    assert BehaviourPolicy.make(grpo_async.Args(behaviour_logp="trainer", async_rollout=False), "no-model", cpu) is None
+    lora_args = grpo_async.Args(behaviour_logp="trainer")
+    lora_args.lora = replace(lora_args.lora, rank=4)
+    with pytest.raises(ValueError, match="not with LoRA"):
+        BehaviourPolicy.make(lora_args, "no-model", cpu)

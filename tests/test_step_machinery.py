@@ -121,3 +121,17 @@ def test_shard_plan_table():
     rows = ShardPlan("layer", False, torch.bfloat16).table()
     assert rows["FSDP unit"] == "layer" and rows["FSDP compute dtype"] == "bfloat16"
     assert "sum over ranks" in rows["gradient reduction"]
+
+
+def test_copy_params_fills_a_frozen_bf16_copy_across_ranks(tiny_model_dir, tmp_path):
+    """common.fsdp.copy_params on 2 ranks: after it, the frozen bf16 copy's full tensors are exactly the policy's
+    cast to bf16, whether the policy's parameters were resharded or left gathered by a forward (tests/
+    copy_params_driver.py); the copy stays sharded."""
+    from conftest import torchrun
+    out = tmp_path / "res.pt"
+    torchrun("tests/copy_params_driver.py", str(tiny_model_dir), str(out), nproc=2, timeout=600)
+    res = torch.load(out)
+    assert res["before"] > 0  # the copy differed before (the policy had taken an optimiser step)
+    assert res["resharded"] == 0
+    assert res["policy_gathered"] and res["zeroed"] > 0 and res["gathered"] == 0  # from gathered parameters too
+    assert res["dtypes"] == ["torch.bfloat16"] and res["sharded"]

@@ -25,6 +25,8 @@ next to the error of rounding the reference itself to the input dtype once (the 
     python bench/bench_logprob.py --N 4096 --V 32000 --skip naive,liger,check
     python bench/bench_logprob.py --variants cublas,loss,loss-grpo --budgets-mb 320,1024   # issue 29
     python bench/bench_logprob.py --variants loss --budgets-mb 320 --loss-sub 128,256 --skip naive,check
+    python bench/bench_logprob.py --variants loss --budgets-mb 1024 --loss-sub 512 --loss-vchunk 8192,16384,152064
+    python bench/bench_logprob.py --variants loss --budgets-mb 1024 --loss-sub 512 --loss-stream 16x512x8x2,32x512x8x4
 """
 
 import argparse
@@ -75,18 +77,33 @@ def fused_loss(budget_mb, loss_fn, token_args):
                                                    workspace_mb=budget_mb)
 
 
-def with_sub(fn, sub):
-    """fn with token_loss's fp32 logits sub-blocks forced to `sub` rows (a sweep; None: its own choice)."""
-    if sub is None:
+def parse_stream(spec):
+    """--loss-stream's "BLOCK_NxBLOCK_VxWARPSxPER_SM", e.g. 16x512x8x2 (token_loss's default on CUDA)."""
+    try:
+        bn, bv, warps, per_sm = (int(x) for x in spec.split("x"))
+    except ValueError:
+        sys.exit(f"--loss-stream: {spec!r} is not BLOCK_NxBLOCK_VxWARPSxPER_SM, e.g. 16x512x8x2")
+    return dict(BLOCK_N=bn, BLOCK_V=bv, num_warps=warps, per_sm=per_sm)
+
+
+def with_tiles(fn, sub, vchunk, stream):
+    """fn with token_loss's fp32 logits sub-blocks forced to `sub` rows, its logits GEMMs to `vchunk`
+    columns and its stats / dlogits kernels to the `stream` spec (a sweep; None: its own choice)."""
+    if sub is None and vchunk is None and stream is None:
         return fn
 
     def forced(*a):
-        real = klp._loss_tiles
-        klp._loss_tiles = functools.partial(real, sub=sub)
+        real = klp._loss_tiles, klp._loss_vchunk, klp._loss_stream_cfg
+        if sub is not None:
+            klp._loss_tiles = functools.partial(real[0], sub=sub)
+        if vchunk is not None:
+            klp._loss_vchunk = lambda V, hidden: vchunk
+        if stream is not None:
+            klp._loss_stream_cfg = lambda hidden: parse_stream(stream)
         try:
             return fn(*a)
         finally:
-            klp._loss_tiles = real
+            klp._loss_tiles, klp._loss_vchunk, klp._loss_stream_cfg = real
 
     return forced
 
@@ -229,6 +246,10 @@ def main():
     p.add_argument("--budgets-mb", default="320", help="comma-separated workspace budgets (MB)")
     p.add_argument("--loss-sub", default="", help="comma-separated fp32 logits sub-block rows for the "
                    "loss variants, one row each (default: token_loss's own choice)")
+    p.add_argument("--loss-vchunk", default="", help="comma-separated columns per logits GEMM of the loss "
+                   "variants (each chunk's stats read right after it, from L2), one row each (default: all of V)")
+    p.add_argument("--loss-stream", default="", help="comma-separated BLOCK_NxBLOCK_VxWARPSxPER_SM of the loss "
+                   "variants' stats and dlogits kernels, one row each (default: 16x512x8x2)")
     p.add_argument("--rep", type=int, default=500, help="do_bench repetition time (ms)")
     p.add_argument("--skip", default="", help="comma-separated: naive,liger,matmul,check")
     p.add_argument("--profile", action="store_true", help="torch.profiler of the fastest of ours")
@@ -259,18 +280,18 @@ def main():
               f"dh max {floor[0][0]:.1e} norm {floor[0][1]:.1e} | dW max {floor[1][0]:.1e} "
               f"norm {floor[1][1]:.1e}", flush=True)
 
-    print(f"{'impl':22s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'workspace GB':>13s} "
+    print(f"{'impl':44s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'workspace GB':>13s} "
           f"{'total GB':>9s} {'fwd GB':>7s} {'host ms':>8s}", flush=True)
     rows = []
 
     def report(r, note=""):
         rows.append(r)
         if "error" in r:
-            print(f"{r['name']:22s} {r['error']}", flush=True)
+            print(f"{r['name']:44s} {r['error']}", flush=True)
             return
         mem = (f"{r['ws_gb']:13.3f} {r['mem_gb']:9.3f} {r['fwd_mem_gb']:7.3f} {r['host_ms']:8.1f}"
                if "mem_gb" in r else f"{'-':>13s} {'-':>9s} {'-':>7s} {'-':>8s}")
-        print(f"{r['name']:22s} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:11.2f} {mem} {note}",
+        print(f"{r['name']:44s} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:11.2f} {mem} {note}",
               flush=True)
 
     g_grpo = grpo_constants(h, t, N)
@@ -285,13 +306,20 @@ def main():
                 continue
         terminal = variant.startswith("loss")
         subs = [int(x) for x in args.loss_sub.split(",") if x] if terminal else []
-        for mb, sub in ((int(x), sub) for x in args.budgets_mb.split(",") for sub in subs or [None]):
-            name = f"{variant}/{mb}MB" + (f"/sub{sub}" if sub else "")
+        vchunks = [int(x) for x in args.loss_vchunk.split(",") if x] if terminal else []
+        streams = [x for x in args.loss_stream.split(",") if x] if terminal else []
+        for stream in streams:
+            parse_stream(stream)  # a bad spec stops here, before anything is timed
+        for mb, sub, vc, st in ((int(x), sub, vc, st) for x in args.budgets_mb.split(",") for sub in subs or [None]
+                                for vc in vchunks or [None] for st in streams or [None]):
+            name = (f"{variant}/{mb}MB" + (f"/sub{sub}" if sub else "") + (f"/vc{vc}" if vc else "")
+                    + (f"/s{st}" if st else ""))
             if terminal:
-                fn = with_sub(fused_loss(mb, *((linear_loss, g) if variant == "loss" else (grpo_shaped_loss, g_grpo))),
-                              sub)
+                fn = with_tiles(fused_loss(mb, *((linear_loss, g) if variant == "loss" else (grpo_shaped_loss, g_grpo))),
+                                sub, vc, st)
                 rb, sb = klp._loss_tiles(N, V, h.element_size(), mb << 20, 128, sub)
-                note = f"blocks {rb}x{V}, fp32 logits {sb}x{V} (dW rounded {-(-N // rb)}x)"
+                note = (f"blocks {rb}x{V}, fp32 logits {sb}x{V} (dW rounded {-(-N // rb)}x)"
+                        + (f" in GEMMs of {min(vc, V)} columns" if vc else ""))
             else:
                 fn = ours(variant, mb)
                 el = h.element_size() + (4 if variant == "cublas" else 0)

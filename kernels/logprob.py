@@ -69,7 +69,8 @@ token_logprobs cannot know g_lp, g_ent until backward, so it computes the logits
 the loss is elementwise in (logp, H) given per-token constants known before the forward (GRPO's and
 PPO's policy losses), token_loss takes it as loss_fn(logp, entropy, *token_args) -> (n,) and returns
 loss = sum of it. For each block of `rows` rows: for each sub-block of `sub` rows, cuBLAS writes the
-fp32 logits over ALL of V (sub, V); the stats kernel (V split into ranges) and a merge kernel give
+fp32 logits over ALL of V (sub, V), in one GEMM or in chunks of columns each folded into the stats right
+after its GEMM (_loss_vchunk: the whole V by default); the stats kernel (V split into ranges) and a merge kernel give
 logp, H, lse; loss_fn runs on the sub-block's (sub,) tensors under autograd, which gives g_lp =
 d loss / d logp and g_ent = d loss / d H per row (elementwise, so the gradient of the sum is the
 per-row derivative); the dlogits kernel (formula above) writes the sub-block's rows of a (rows, V)
@@ -675,6 +676,19 @@ def _loss_tiles(N, V, elt_bytes, budget, align, sub=None):
     return _split(N, rows, sub), sub
 
 
+def _loss_vchunk(V, hidden):
+    """Columns of each logits GEMM of token_loss, its stats folded in right after: all of V (one GEMM per
+    sub-block) by default. A narrower chunk (bench_logprob.py --loss-vchunk) is written and read back
+    while it may still be in the L2 cache, for more, smaller GEMMs."""
+    return V
+
+
+def _loss_stream_cfg(hidden):
+    """Tiles of token_loss's stats and dlogits kernels, and the stats kernel's programs per SM (V split into
+    ranges until there are that many); bench_logprob.py --loss-stream times others."""
+    return dict(_stream_cfg(hidden), per_sm=2)
+
+
 def _per_token(token_args, n, device):
     """token_args with the (n,) tensors checked: the rest (numbers, 0-dim tensors) pass as they are."""
     for i, x in enumerate(token_args):
@@ -732,12 +746,14 @@ def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, nee
     loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
     z_buf = torch.empty(sub, V, device=hidden.device, dtype=torch.float32)  # (sub, V)
     dl_buf = torch.empty(rows, V, device=hidden.device, dtype=hidden.dtype) if need_grad else None
-    c = _stream_cfg(hidden)
-    # The stats kernel splits V into S ranges so that (row tiles x S) programs fill the GPU.
+    c = _loss_stream_cfg(hidden)
+    vc = min(V, _loss_vchunk(V, hidden))  # columns per logits GEMM
+    # The stats kernel splits each chunk of vc columns into S ranges so that (row tiles x S) programs fill
+    # the GPU; range j of every chunk folds into partial j, and the first chunk (vc wide) fills every range.
     row_tiles = triton.cdiv(sub, c["BLOCK_N"])
-    want = triton.cdiv(2 * _num_sms(hidden.device), row_tiles)
-    cols = triton.cdiv(triton.cdiv(V, want), c["BLOCK_V"]) * c["BLOCK_V"]
-    S = triton.cdiv(V, cols)  # every range is non-empty
+    want = triton.cdiv(c["per_sm"] * _num_sms(hidden.device), row_tiles)
+    cols = triton.cdiv(triton.cdiv(vc, want), c["BLOCK_V"]) * c["BLOCK_V"]
+    S = triton.cdiv(vc, cols)
     part = torch.empty(4, S, sub, device=hidden.device, dtype=torch.float32)  # (4, S, sub)
     lse_buf = torch.empty(sub, device=hidden.device, dtype=torch.float32)  # (sub,)
     inv_temp = 1.0 / temperature
@@ -749,11 +765,13 @@ def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, nee
             # Few host calls per sub-block (the GPU's work per sub-block is short): two Triton
             # kernels make the stats, loss_fn and autograd the per-row derivatives, one kernel dlogits.
             z, tgt, lse, lp_s, ent_s = z_buf[:n], targets[s0:s1], lse_buf[:n], logp[s0:s1], entropy[s0:s1]
-            _mm_fp32(hidden[s0:s1], weight.t(), z)  # (n, V) fp32
-            _stats_update_kernel[(triton.cdiv(n, c["BLOCK_N"]), S)](
-                z, tgt, part, n, V, 0, z.stride(0), part.stride(0), part.stride(1), inv_temp,
-                CHUNKS=cols // c["BLOCK_V"], BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"], FRESH=True,
-                num_warps=c["num_warps"])
+            for v0 in range(0, V, vc):  # (n, V) fp32 logits, vc columns at a time
+                zc = z[:, v0:v0 + vc]  # (n, <= vc), rows V apart
+                _mm_fp32(hidden[s0:s1], weight[v0:v0 + vc].t(), zc)
+                _stats_update_kernel[(triton.cdiv(n, c["BLOCK_N"]), S)](
+                    zc, tgt, part, n, zc.shape[1], v0, z.stride(0), part.stride(0), part.stride(1),
+                    inv_temp, CHUNKS=cols // c["BLOCK_V"], BLOCK_N=c["BLOCK_N"], BLOCK_V=c["BLOCK_V"],
+                    FRESH=v0 == 0, num_warps=c["num_warps"])
             _finish_stats_kernel[(triton.cdiv(n, 32),)](
                 part, tgt, lp_s, ent_s, lse, n, S, part.stride(0), part.stride(1), BLOCK_N=32,
                 S_P2=triton.next_power_of_2(S))

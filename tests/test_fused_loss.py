@@ -142,6 +142,44 @@ def test_blocks(rows, sub, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("vchunk", [32, 20, 69])
+def test_logits_in_column_chunks(vchunk, monkeypatch):
+    # The logits GEMM in chunks of columns, each folded into the running stats right after it (the first chunk
+    # fills every V range, a narrower last chunk leaves some ranges as they were), with several sub-blocks: the
+    # same loss, log-probs, entropies and gradients as the reference, and in fp32 as one chunk.
+    set_tiles(monkeypatch, 24, 8)
+    monkeypatch.setattr(lp, "_loss_vchunk", lambda V, hidden: vchunk)
+    check(50, 16, 70, torch.bfloat16, 0.8, curved)
+    hidden, weight, tgt, a, b = make_inputs(50, 16, 70, torch.float32)
+    chunked = run("fused", hidden, weight, tgt, curved, (a, b), 0.8)
+    monkeypatch.setattr(lp, "_loss_vchunk", lambda V, hidden: V)
+    whole = run("fused", hidden, weight, tgt, curved, (a, b), 0.8)
+    for name, x, y in zip(("loss", "logp", "entropy", "dh", "dW"), chunked, whole):
+        assert_close(name, x, y, 1e-6, 1e-6)
+
+
+@needs_triton
+def test_bench_sweep_settings_reach_the_kernel(monkeypatch):
+    # bench_logprob.py's --loss-sub / --loss-vchunk / --loss-stream rows run token_loss with those settings (GEMMs
+    # of vchunk columns counted; tiles smaller than the interpreter's default), values as the reference's.
+    bench = importlib.import_module("bench.bench_logprob")
+    assert bench.parse_stream("8x16x4x3") == dict(BLOCK_N=8, BLOCK_V=16, num_warps=4, per_sm=3)
+    with pytest.raises(SystemExit, match="BLOCK_NxBLOCK_VxWARPSxPER_SM"):
+        bench.parse_stream("16x512")
+    widths = []
+    real_mm = lp._mm_fp32
+    monkeypatch.setattr(lp, "_mm_fp32", lambda a, b, out, **k: (widths.append(out.shape[1]), real_mm(a, b, out, **k)))
+    hidden, weight, tgt, a, b = make_inputs(40, 16, 70, torch.float32)
+    fn = bench.with_tiles(bench.fused_loss(1, curved, (a, b)), 8, 32, "8x16x4x3")
+    got = fn(hidden, weight, tgt, 0.9)
+    assert widths == [32, 32, 6] * 5  # 5 sub-blocks of 8 rows, 3 GEMMs each
+    want = run("torch", hidden, weight, tgt, curved, (a, b), 0.9)
+    for name, x, y in zip(("loss", "logp", "entropy"), got, want):
+        assert_close(name, x, y, 1e-5, 1e-5 * 40 if name == "loss" else 1e-5)
+    assert lp._loss_vchunk(70, hidden) == 70 and lp._loss_stream_cfg(hidden)["per_sm"] == 2  # restored
+
+
+@needs_triton
 def test_zero_terms_and_ignored_rows():
     # Per-token weights 0 (mask 0, zero advantage) on half of the rows, targets -100 on others: those rows get no
     # gradient, the rest matches the reference; with every row ignored, everything is 0.
@@ -325,6 +363,15 @@ def test_gpu_matches_reference(N, H, V, dtype, temperature):
 def test_gpu_blocks():
     rows, sub = lp._loss_tiles(1500, 50000, 2, 64 << 20, 128)  # several blocks and sub-blocks
     assert rows < 1500 and sub < rows
+    check(1500, 512, 50000, torch.bfloat16, 1.0, curved, device="cuda", workspace_mb=64)
+
+
+@needs_triton
+@pytest.mark.gpu
+@gpu
+def test_gpu_logits_in_column_chunks(monkeypatch):
+    # cuBLAS writing fp32 logits into column slices of the sub-block buffer (rows V apart), a narrower last chunk
+    monkeypatch.setattr(lp, "_loss_vchunk", lambda V, hidden: 16384)
     check(1500, 512, 50000, torch.bfloat16, 1.0, curved, device="cuda", workspace_mb=64)
 
 

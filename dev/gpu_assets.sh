@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Build the ignored folders that dev/gpu_qwen.sh carries to the GPU machine, from ../shared and the package registry
+# (run here, on the CPU machine, from the repository root; a fresh checkout has none of them):
+#   .gpu-site/p-00..p-02   the vLLM bundle (../shared/gpu/bundle.sh vllm.txt project-deps.txt) re-split into 41 MB
+#                          pieces (a piece + the tree + the assets a call names stay under the 64 MiB carry limit)
+#   .gpu-assets/           gsm8k_{train,test}.jsonl.xz, qwen2.5-tokenizer.tar.xz, hh_test.jsonl.gz, whl/ (the peers:
+#                          ../shared/gpu/peers.txt, TRL and Liger-Kernel, wheels without dependencies)
+#   .gpu-assets/verl/      (VERL=1) verl's bundle, dev/verl-bundle.txt, in pieces of 55 MB
+# The real model's pieces (.gpu-model/m-*) are issue 11's recipe (LOG.md, session 9); no queue since needs them.
+#   bash dev/gpu_assets.sh            # about 5-10 minutes on 2 cores, most of it xz
+#   VERL=1 bash dev/gpu_assets.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SHARED=${SHARED:-../shared}
+[ -d "$SHARED/gpu" ] || { echo "no $SHARED/gpu: run from a checkout beside ../shared (or set SHARED=)" >&2; exit 2; }
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+mkdir -p .gpu-assets/whl .gpu-site
+for s in train test; do
+  [ -f .gpu-assets/gsm8k_$s.jsonl.xz ] || xz -9 -c "$SHARED/data/gsm8k/$s.jsonl" > .gpu-assets/gsm8k_$s.jsonl.xz
+done
+cp -u "$SHARED/gpu/qwen2.5-tokenizer.tar.xz" .gpu-assets/
+cp -u "$SHARED/data/hh-rlhf-harmless/test.jsonl.gz" .gpu-assets/hh_test.jsonl.gz
+python3 -m pip download -q --no-deps -d .gpu-assets/whl -r "$SHARED/gpu/peers.txt"
+
+if ! ls .gpu-site/p-0? > /dev/null 2>&1; then
+  PIECE_MB=1000 bash "$SHARED/gpu/bundle.sh" "$TMP/site" "$SHARED/gpu/vllm.txt" "$SHARED/gpu/project-deps.txt"
+  cat "$TMP"/site/part-* | split -b 41000000 -d -a 2 - .gpu-site/p-
+  rm -rf "$TMP/site"
+fi
+n=$(ls .gpu-site/p-0? | wc -l)
+[ "$n" = 3 ] || echo "warning: $n vLLM pieces, dev/gpu_qwen.sh stages p-00..p-02 (its 'site 2' unpacks): adjust it" >&2
+
+if [ "${VERL:-0}" = 1 ] && ! ls .gpu-assets/verl/part-* > /dev/null 2>&1; then
+  python3 -m pip wheel -q --no-deps -w "$TMP/whl" antlr4-python3-runtime==4.9.3  # an sdist only on PyPI
+  PIP_FIND_LINKS="$TMP/whl" PIECE_MB=52 bash "$SHARED/gpu/bundle.sh" .gpu-assets/verl dev/verl-bundle.txt
+  n=$(ls .gpu-assets/verl/part-* | wc -l)
+  [ "$n" = 2 ] || echo "warning: $n verl pieces, dev/gpu_qwen.sh's 'verl 1' unpacks after two: adjust it" >&2
+fi
+ls -l .gpu-site .gpu-assets .gpu-assets/whl

@@ -317,7 +317,7 @@ def main():
             if terminal:
                 fn = with_tiles(fused_loss(mb, *((linear_loss, g) if variant == "loss" else (grpo_shaped_loss, g_grpo))),
                                 sub, vc, st)
-                rb, sb = klp._loss_tiles(N, V, h.element_size(), mb << 20, 128, sub)
+                rb, sb = klp._loss_tiles(N, V, h.element_size(), mb << 20, 128, sub, hidden_size=H)
                 note = (f"blocks {rb}x{V}, fp32 logits {sb}x{V} (dW rounded {-(-N // rb)}x)"
                         + (f" in GEMMs of {min(vc, V)} columns" if vc else ""))
             else:

@@ -146,12 +146,14 @@ class TokenLogProbs(nn.Module):
     through kernels.token_logprobs (given a TokenLoss, also the loss, through kernels.token_loss), so the
     (tokens x vocab) logits are never materialised.
 
-    FSDP2 shards it as the root, so the LM head weight is all-gathered inside this forward.
+    FSDP2 shards it as the root, so the LM head weight is all-gathered inside this forward. Kernel workspaces:
+    workspace_mb for token_logprobs, loss_workspace_mb for token_loss (larger: at a small hidden size its sub-blocks
+    need more rows to keep the GPU ahead of the host, docs/kernels.md).
     """
 
-    def __init__(self, lm: nn.Module, impl: str = "auto", workspace_mb: int = 320):
+    def __init__(self, lm: nn.Module, impl: str = "auto", workspace_mb: int = 320, loss_workspace_mb: int = 1536):
         super().__init__()
-        self.lm, self.impl, self.workspace_mb = lm, impl, workspace_mb
+        self.lm, self.impl, self.workspace_mb, self.loss_workspace_mb = lm, impl, workspace_mb, loss_workspace_mb
 
     def forward(self, input_ids, position_ids, targets, temperature: float = 1.0, scored=None, argmax: bool = False,
                 loss: "TokenLoss | None" = None, **attn_kwargs):
@@ -170,7 +172,7 @@ class TokenLogProbs(nn.Module):
         scatter = lambda x: x.new_zeros(targets.shape).index_put((torch.zeros_like(sel), sel), x)  # (1, T)
         if loss is not None:
             value, logp, entropy = token_loss(hidden.flatten(0, 1)[sel], weight, flat[sel], loss.fn, loss.token_args,
-                                              temperature, self.impl, self.workspace_mb)
+                                              temperature, self.impl, self.loss_workspace_mb)
         else:
             logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
         first = () if loss is None else (value,)

@@ -77,8 +77,8 @@ per-row derivative); the dlogits kernel (formula above) writes the sub-block's r
 dlogits buffer in the input dtype. Then dh[block] = dlogits @ W (one GEMM over all of V, rounded
 once) and dW += dlogits^T @ h[block] (rounded once per block). backward multiplies the stored dh, dW
 by the upstream scalar in place. Rows whose target is -100 get logp = H = 0 (loss_fn sees those) and
-no gradient. Workspace: sub x V x 4 B (256 rows where they fit in half of workspace_mb) + rows x V x
-elt (the rest): at the bench shape and 320 MB, sub = 256, rows = 512: 311 MB, dW rounded 64 times. Not for losses
+no gradient. Workspace: sub x V x 4 B (256 rows where they fit in half of workspace_mb; on CUDA at a small
+hidden size more, up to sub x H = 256 x 3584, if they fit) + rows x V x elt (the rest): at the bench shape and 320 MB, sub = 256, rows = 512: 311 MB, dW rounded 64 times. Not for losses
 that couple rows (DPO's sequence sums inside a sigmoid): their g_lp needs every row's logp first.
 """
 
@@ -663,12 +663,21 @@ def token_logprobs(hidden, weight, targets, temperature: float = 1.0, impl: str 
 # ---------------------------------------------------------------------------------------------
 # Fused loss: the gradient computed inside the forward (3 GEMMs instead of 4)
 # ---------------------------------------------------------------------------------------------
-def _loss_tiles(N, V, elt_bytes, budget, align, sub=None):
+_SUB_WORK = 256 * 3584  # rows x hidden size of one sub-block at the bench shape (7B head), where the GPU's work per
+# sub-block outlasts the host's (loss_fn, its autograd, the launches); at a 0.5B head (H 896) 256 rows did not (docs)
+
+
+def _loss_tiles(N, V, elt_bytes, budget, align, sub=None, hidden_size=None):
     """(rows, sub) of token_loss: dlogits blocks of `rows` rows x all of V (elt_bytes each) and,
     inside each, fp32 logits sub-blocks of `sub` rows x all of V. sub (default): 2 x align (256 on
     CUDA), or align where that would take over half the budget: each sub-block's logits GEMM reads
     all of W for `sub` FLOP per byte, and below about 140 (the H200's measured 690 TFLOP/s over its
-    4.8 TB/s) it waits on memory. rows: the rest of the budget, a multiple of sub (or N), evened out."""
+    4.8 TB/s) it waits on memory. With hidden_size (on CUDA), more rows where H is small, so that
+    sub x H >= _SUB_WORK (1024 rows at H = 896), if their logits fit in half the budget: the host issues
+    the same work per sub-block at any H. rows: the rest of the budget, a multiple of sub (or N), evened out."""
+    if sub is None and hidden_size:
+        sub = max(2 * align, triton.cdiv(triton.cdiv(_SUB_WORK, hidden_size), align) * align)
+        sub = sub if sub * 4 * V <= budget // 2 else None
     if sub is None:
         sub = 2 * align if 2 * align * 4 * V <= budget // 2 else align
     sub = min(N, sub)
@@ -738,7 +747,8 @@ def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, nee
     N, H = hidden.shape
     V = weight.shape[0]
     need_grad = need_dh or need_dw
-    rows, sub = _loss_tiles(N, V, hidden.element_size(), workspace_bytes, _align(hidden))
+    rows, sub = _loss_tiles(N, V, hidden.element_size(), workspace_bytes, _align(hidden),
+                            hidden_size=H if hidden.is_cuda and not _interpreting() else None)
     dh = torch.empty_like(hidden) if need_dh else None  # (N, H)
     dw = torch.empty_like(weight) if need_dw else None  # (V, H)
     logp = torch.empty(N, device=hidden.device, dtype=torch.float32)  # (N,)

@@ -24,6 +24,7 @@ if lp.HAS_TRITON and not torch.cuda.is_available() and lp._interpreting():
         lp = importlib.reload(lp)
 
 import grpo  # noqa: E402
+from common.models import TokenLogProbs  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not lp.HAS_TRITON, reason="triton not installed")
@@ -115,7 +116,7 @@ def test_matches_reference(N, H, V, dtype, temperature, loss_fn):
 
 def set_tiles(monkeypatch, rows, sub):
     """Force token_loss's blocks: `rows` rows of dlogits, fp32 logits in sub-blocks of `sub` rows."""
-    monkeypatch.setattr(lp, "_loss_tiles", lambda *a: (rows, sub))
+    monkeypatch.setattr(lp, "_loss_tiles", lambda *a, **k: (rows, sub))
 
 
 @needs_triton
@@ -340,6 +341,21 @@ def test_workspace_budget():
     assert lp._loss_tiles(100, 1000, 2, DEFAULT_BUDGET, 128) == (100, 100)  # small problem: one block
 
 
+def test_sub_blocks_follow_the_hidden_size():
+    # With the hidden size (CUDA), sub-blocks keep rows x H >= 256 x 3584 where their fp32 logits fit in half the
+    # budget: the 7B head keeps 256 rows; a 0.5B head (H 896) gets 1024 rows in the scripts' 1536 MB fused-loss
+    # workspace and falls back to 256 in 320 MB; without it (CPU, the interpreter), the fixed rule.
+    V7, V05, MB = 152064, 151936, 1 << 20
+    assert lp._loss_tiles(32768, V7, 2, 1536 * MB, 128, hidden_size=3584)[1] == 256
+    rows, sub = lp._loss_tiles(16384, V05, 2, 1536 * MB, 128, hidden_size=896)
+    assert sub == 1024 and rows % sub == 0 and sub * V05 * 4 + rows * V05 * 2 <= 1536 * MB
+    assert lp._loss_tiles(16384, V05, 2, 320 * MB, 128, hidden_size=896) == lp._loss_tiles(16384, V05, 2, 320 * MB, 128)
+    assert lp._loss_tiles(16384, V05, 2, 320 * MB, 128)[1] == 256
+    assert lp._loss_tiles(8192, 49152, 2, 1536 * MB, 128, hidden_size=576)[1] == 1664  # SmolLM2's head
+    assert lp._loss_tiles(16384, V05, 2, 1536 * MB, 128, sub=512, hidden_size=896)[1] == 512  # a forced sub wins
+    assert inspect.signature(TokenLogProbs).parameters["loss_workspace_mb"].default == 1536
+
+
 # ---- GPU: large shapes -----------------------------------------------------------------------
 GPU_CASES = [
     (4096, 3584, 151936, torch.bfloat16, 0.7),
@@ -364,6 +380,17 @@ def test_gpu_blocks():
     rows, sub = lp._loss_tiles(1500, 50000, 2, 64 << 20, 128)  # several blocks and sub-blocks
     assert rows < 1500 and sub < rows
     check(1500, 512, 50000, torch.bfloat16, 1.0, curved, device="cuda", workspace_mb=64)
+
+
+@needs_triton
+@pytest.mark.gpu
+@gpu
+def test_gpu_sub_blocks_at_a_small_hidden_size(monkeypatch):
+    # A 0.5B model's head in the scripts' fused-loss workspace: 1024-row sub-blocks, two per block of 2048 rows
+    chosen, real = [], lp._loss_tiles
+    monkeypatch.setattr(lp, "_loss_tiles", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
+    check(4096, 896, 151936, torch.bfloat16, 1.0, curved, device="cuda", workspace_mb=1536)
+    assert chosen == [(2048, 1024)]
 
 
 @needs_triton

@@ -93,17 +93,15 @@ def with_tiles(fn, sub, vchunk, stream):
         return fn
 
     def forced(*a):
-        real = klp._loss_tiles, klp._loss_vchunk, klp._loss_stream_cfg
+        real = klp._loss_tiles, klp._loss_cfg
         if sub is not None:
             klp._loss_tiles = functools.partial(real[0], sub=sub)
-        if vchunk is not None:
-            klp._loss_vchunk = lambda V, hidden: vchunk
-        if stream is not None:
-            klp._loss_stream_cfg = lambda hidden: parse_stream(stream)
+        klp._loss_cfg = lambda hidden: (real[1](hidden) | (parse_stream(stream) if stream else {})
+                                        | ({"vchunk": vchunk} if vchunk else {}))
         try:
             return fn(*a)
         finally:
-            klp._loss_tiles, klp._loss_vchunk, klp._loss_stream_cfg = real
+            klp._loss_tiles, klp._loss_cfg = real
 
     return forced
 

@@ -154,10 +154,11 @@ class BehaviourPolicy:
         the policy's weights, which sample the rollout generating now (started before this step's update), for the
         next step."""
         with timed(perf, "old_logp"):
-            if fresh:
+            if fresh:  # then the copy also holds the weights of the rollout generating now: no second copy
                 copy_params(policy, self.model)
             out = sequence_logprobs(self.model, *seqs, temperature, width, device)
-            copy_params(policy, self.model)
+            if not fresh:
+                copy_params(policy, self.model)
         return out
 
 

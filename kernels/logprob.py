@@ -70,7 +70,7 @@ the loss is elementwise in (logp, H) given per-token constants known before the 
 PPO's policy losses), token_loss takes it as loss_fn(logp, entropy, *token_args) -> (n,) and returns
 loss = sum of it. For each block of `rows` rows: for each sub-block of `sub` rows, cuBLAS writes the
 fp32 logits over ALL of V (sub, V), in one GEMM or in chunks of columns each folded into the stats right
-after its GEMM (_loss_vchunk: the whole V by default); the stats kernel (V split into ranges) and a merge kernel give
+after its GEMM (_loss_cfg's vchunk: the whole V by default); the stats kernel (V split into ranges) and a merge kernel give
 logp, H, lse; loss_fn runs on the sub-block's (sub,) tensors under autograd, which gives g_lp =
 d loss / d logp and g_ent = d loss / d H per row (elementwise, so the gradient of the sum is the
 per-row derivative); the dlogits kernel (formula above) writes the sub-block's rows of a (rows, V)
@@ -685,17 +685,12 @@ def _loss_tiles(N, V, elt_bytes, budget, align, sub=None, hidden_size=None):
     return _split(N, rows, sub), sub
 
 
-def _loss_vchunk(V, hidden):
-    """Columns of each logits GEMM of token_loss, its stats folded in right after: all of V (one GEMM per
-    sub-block) by default. A narrower chunk (bench_logprob.py --loss-vchunk) is written and read back
-    while it may still be in the L2 cache, for more, smaller GEMMs."""
-    return V
-
-
-def _loss_stream_cfg(hidden):
-    """Tiles of token_loss's stats and dlogits kernels, and the stats kernel's programs per SM (V split into
-    ranges until there are that many); bench_logprob.py --loss-stream times others."""
-    return dict(_stream_cfg(hidden), per_sm=2)
+def _loss_cfg(hidden):
+    """token_loss's inner loop: its stats and dlogits kernels' tiles, the stats kernel's programs per SM (V split
+    into ranges until there are that many) and vchunk, the columns of each logits GEMM, whose stats are folded in
+    right after it (None: all of V, one GEMM per sub-block; narrower chunks are read back while they may still be
+    in the L2 cache). bench_logprob.py --loss-stream / --loss-vchunk time others."""
+    return dict(_stream_cfg(hidden), per_sm=2, vchunk=None)
 
 
 def _per_token(token_args, n, device):
@@ -756,8 +751,8 @@ def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, nee
     loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
     z_buf = torch.empty(sub, V, device=hidden.device, dtype=torch.float32)  # (sub, V)
     dl_buf = torch.empty(rows, V, device=hidden.device, dtype=hidden.dtype) if need_grad else None
-    c = _loss_stream_cfg(hidden)
-    vc = min(V, _loss_vchunk(V, hidden))  # columns per logits GEMM
+    c = _loss_cfg(hidden)
+    vc = min(V, c["vchunk"] or V)  # columns per logits GEMM
     # The stats kernel splits each chunk of vc columns into S ranges so that (row tiles x S) programs fill
     # the GPU; range j of every chunk folds into partial j, and the first chunk (vc wide) fills every range.
     row_tiles = triton.cdiv(sub, c["BLOCK_N"])

@@ -149,11 +149,12 @@ def test_logits_in_column_chunks(vchunk, monkeypatch):
     # fills every V range, a narrower last chunk leaves some ranges as they were), with several sub-blocks: the
     # same loss, log-probs, entropies and gradients as the reference, and in fp32 as one chunk.
     set_tiles(monkeypatch, 24, 8)
-    monkeypatch.setattr(lp, "_loss_vchunk", lambda V, hidden: vchunk)
+    monkeypatch.setattr(lp, "_loss_cfg", lambda hidden, real=lp._loss_cfg: real(hidden) | {"vchunk": vchunk})
     check(50, 16, 70, torch.bfloat16, 0.8, curved)
     hidden, weight, tgt, a, b = make_inputs(50, 16, 70, torch.float32)
     chunked = run("fused", hidden, weight, tgt, curved, (a, b), 0.8)
-    monkeypatch.setattr(lp, "_loss_vchunk", lambda V, hidden: V)
+    monkeypatch.undo()  # token_loss's own settings: all of V in one GEMM
+    set_tiles(monkeypatch, 24, 8)
     whole = run("fused", hidden, weight, tgt, curved, (a, b), 0.8)
     for name, x, y in zip(("loss", "logp", "entropy", "dh", "dW"), chunked, whole):
         assert_close(name, x, y, 1e-6, 1e-6)
@@ -177,7 +178,7 @@ def test_bench_sweep_settings_reach_the_kernel(monkeypatch):
     want = run("torch", hidden, weight, tgt, curved, (a, b), 0.9)
     for name, x, y in zip(("loss", "logp", "entropy"), got, want):
         assert_close(name, x, y, 1e-5, 1e-5 * 40 if name == "loss" else 1e-5)
-    assert lp._loss_vchunk(70, hidden) == 70 and lp._loss_stream_cfg(hidden)["per_sm"] == 2  # restored
+    assert lp._loss_cfg(hidden)["vchunk"] is None and lp._loss_cfg(hidden)["per_sm"] == 2  # restored
 
 
 @needs_triton
@@ -398,7 +399,7 @@ def test_gpu_sub_blocks_at_a_small_hidden_size(monkeypatch):
 @gpu
 def test_gpu_logits_in_column_chunks(monkeypatch):
     # cuBLAS writing fp32 logits into column slices of the sub-block buffer (rows V apart), a narrower last chunk
-    monkeypatch.setattr(lp, "_loss_vchunk", lambda V, hidden: 16384)
+    monkeypatch.setattr(lp, "_loss_cfg", lambda hidden, real=lp._loss_cfg: real(hidden) | {"vchunk": 16384})
     check(1500, 512, 50000, torch.bfloat16, 1.0, curved, device="cuda", workspace_mb=64)
 
 

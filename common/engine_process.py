@@ -13,24 +13,35 @@ shared with the child (CUDA IPC, no copy; probed once at start); on another GPU,
 in shared memory (a device-to-host copy of the model per refit). The child sees the trainer's GPUs, numbered as the
 trainer numbers them, and uses the one asked for. It forms a process group of its own (a world of one: vLLM's
 external launcher needs one), so its engine is a single replica: no --vllm.tensor-parallel-size > 1.
+--vllm.num-engines N (N > 1) runs N such children on the one GPU, each with 1/N of --vllm.max-num-seqs and of
+--vllm.gpu-memory-utilization, and hands each a contiguous share of the prompts: generation is bound by vLLM's host
+loop (its scheduler, per request and decode step, in Python: docs/performance.md), so N loops on N cores finish the
+same batch sooner while the GPU, mostly idle under one loop, serves them all. Request seeds follow the prompt's
+index in the whole batch (generate's first_request), so the samples do not depend on how the batch is cut.
 """
 import atexit
 import os
 import traceback
+from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
 
+from common.rollout import Rollout
 from common.vllm_engine import DTYPES, bucket_by_bytes
 
 _SHARED_STATE = ("timings", "weights_discarded")  # engine attributes the scripts read, copied back after each call
 
 
 def check_engine_args(vllm_args) -> None:
-    """--vllm.engine-gpu places an engine in a process of its own: without --vllm.own-process it would do nothing."""
+    """--vllm.engine-gpu and --vllm.num-engines place engines in processes of their own: without --vllm.own-process
+    they would do nothing."""
     if vllm_args.engine_gpu != -1 and not vllm_args.own_process:
         raise ValueError(f"--vllm.engine-gpu {vllm_args.engine_gpu} places the engine's own process: add "
                          f"--vllm.own-process, or drop --vllm.engine-gpu (the engine then runs in the rank's process)")
+    if vllm_args.num_engines != 1 and not vllm_args.own_process:
+        raise ValueError(f"--vllm.num-engines {vllm_args.num_engines} runs engines in processes of their own: add "
+                         f"--vllm.own-process, or drop --vllm.num-engines (one engine in the rank's process)")
 
 
 def child_gpu(engine_gpu: int, device_index: int) -> int | None:
@@ -97,65 +108,128 @@ def _serve(conn, gpu: int | None, make_args: tuple) -> None:
     D.cleanup()
 
 
+def shares(count: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) of `count` items cut into `parts` contiguous shares as even as possible (the first ones larger)."""
+    q, r = divmod(count, parts)
+    bounds = [0]
+    for k in range(parts):
+        bounds.append(bounds[-1] + q + (k < r))
+    return list(zip(bounds, bounds[1:]))
+
+
+def engine_share(vllm_args):
+    """One engine's VLLMArgs among --vllm.num-engines: its share of the batch and of the memory (the engines together
+    take what one would)."""
+    n = vllm_args.num_engines
+    return replace(vllm_args, max_num_seqs=-(-vllm_args.max_num_seqs // n),
+                   gpu_memory_utilization=vllm_args.gpu_memory_utilization / n)
+
+
+def merge_rollouts(parts: list[Rollout]) -> Rollout:
+    """One Rollout from the children's, in order (each a contiguous share of the prompts)."""
+    if len(parts) == 1:
+        return parts[0]
+    logprobs = None if any(p.logprobs is None for p in parts) else [x for p in parts for x in p.logprobs]
+    return Rollout([x for p in parts for x in p.prompt_ids], [x for p in parts for x in p.response_ids], logprobs,
+                   [x for p in parts for x in p.finish_reasons])
+
+
 class EngineProcess:
-    """An engine of make_engine's in a child process; the same methods, each a round trip over a pipe."""
+    """An engine of make_engine's in a child process (or --vllm.num-engines of them on one GPU); the same methods,
+    each a round trip over a pipe to every child (sent to all, then answered by all: the children work at once)."""
 
     def __init__(self, kind: str, model_path: str, vllm_args, max_model_len: int, seed: int, pad_token_id: int,
                  stop_ids: list[int], gpu: int | None):
         if vllm_args.tensor_parallel_size > 1:
             raise ValueError("--vllm.own-process runs one engine per rank in a world of its own: it takes no "
                              "--vllm.tensor-parallel-size > 1 (add --vllm.no-own-process; grpo_async.py has it on)")
+        n = vllm_args.num_engines
+        if n < 1 or n > vllm_args.max_num_seqs:
+            raise ValueError(f"--vllm.num-engines {n}: give 1 to {vllm_args.max_num_seqs} (--vllm.max-num-seqs "
+                             f"is split between the engines)")
         self.args, self.timings, self.weights_discarded = vllm_args, {}, False
         self._cast = kind == "vllm"  # vLLM computes in --vllm.dtype; the HF engine keeps the trainer's dtype
+        child_args = engine_share(vllm_args)
         ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, name="rollout-engine", args=(  # not a daemon: vLLM may fork
-            child, gpu, (kind, model_path, vllm_args, max_model_len, seed, pad_token_id, stop_ids)))
-        self._proc.start()
-        child.close()
+        self._conns, self._procs = [], []
         atexit.register(self.close)
-        self._answer("start")
+        for k in range(n):  # one after the other: vLLM profiles the GPU's free memory while it starts
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, name=f"rollout-engine-{k}", args=(  # not a daemon: vLLM may fork
+                child, gpu, (kind, model_path, child_args, max_model_len, seed + 7919 * k, pad_token_id, stop_ids)))
+            proc.start()
+            child.close()
+            self._conns.append(conn)
+            self._procs.append(proc)
+            self._answer_one(k, "start")
         self.refit_via = "cpu"  # how load_weights hands over the weights: "cuda" (IPC, same GPU) or "cpu"
         if self._cast and gpu is not None and gpu == torch.cuda.current_device():
             probe = torch.arange(4.0, device="cuda")
             try:
-                if self._call("probe", probe) == probe.tolist():
+                if self._call("probe", probe) == [probe.tolist()] * n:
                     self.refit_via = "cuda"
             except RuntimeError as e:  # noqa: PERF203 - once, at start
                 print(f"[engine process] CUDA IPC to the engine's process failed, refits go through CPU memory: {e}",
                       flush=True)
 
-    def _answer(self, what: str, expect: str = "ok"):
+    def _answer_one(self, k: int, what: str, expect: str = "ok"):
         try:
-            status, value, state = self._conn.recv()
+            status, value, state = self._conns[k].recv()
         except EOFError:
-            raise RuntimeError(f"the rollout engine's process died during {what} (exit code {self._proc.exitcode}); "
-                               f"its own output above says why") from None
+            raise RuntimeError(f"the rollout engine's process died during {what} (exit code {self._procs[k].exitcode}"
+                               f"); its own output above says why") from None
         if status == "error":
             raise RuntimeError(f"the rollout engine's process failed in {what}:\n{value}")
         if status != expect:
             raise RuntimeError(f"the rollout engine's process answered {status!r} to {what}, expected {expect!r}")
-        for k, v in state.items():
-            setattr(self, k, v)
+        if not state:  # a refit's "more"
+            return value
+        if k == 0:
+            self.timings = dict(state["timings"])
+            self.weights_discarded = state["weights_discarded"]
+        else:  # several engines: the slowest one's seconds; discarded if any one's weights are
+            for key, v in state["timings"].items():
+                self.timings[key] = max(v, self.timings.get(key, v))
+            self.weights_discarded |= state["weights_discarded"]
         return value
 
-    def _send_raw(self, message, what: str = "load_weights") -> None:
-        try:
-            self._conn.send(message)
-        except (BrokenPipeError, ConnectionResetError):
-            self._proc.join(timeout=5)
-            raise RuntimeError(f"the rollout engine's process is gone (exit code {self._proc.exitcode}) before "
-                               f"{what}; its own output above says why") from None
+    def _answer(self, what: str, expect: str = "ok", which=None) -> list:
+        """Every child's answer (or those in `which`), in order; the first error is raised after all have answered
+        (the pipes stay in step)."""
+        values, error = [], None
+        for k in (range(len(self._conns)) if which is None else which):
+            try:
+                values.append(self._answer_one(k, what, expect))
+            except RuntimeError as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return values
 
-    def _send(self, method: str, *args, **kwargs) -> None:
-        self._send_raw((method, args, kwargs), method)
+    def _send_raw(self, message, what: str = "load_weights", which=None) -> None:
+        for k in (range(len(self._conns)) if which is None else which):
+            try:
+                self._conns[k].send(message)
+            except (BrokenPipeError, ConnectionResetError):
+                self._procs[k].join(timeout=5)
+                raise RuntimeError(f"the rollout engine's process is gone (exit code {self._procs[k].exitcode}) "
+                                   f"before {what}; its own output above says why") from None
 
     def _call(self, method: str, *args, **kwargs):
-        self._send(method, *args, **kwargs)
+        """The same call on every child; their answers in order."""
+        self._send_raw((method, args, kwargs), method)
         return self._answer(method)
 
-    def generate(self, *args, **kwargs):
-        return self._call("generate", *args, **kwargs)
+    def generate(self, prompt_ids, *args, **kwargs) -> Rollout:
+        """The prompts in contiguous shares, one per engine, all generating at once; the rollouts joined in order."""
+        if len(self._conns) == 1:
+            return self._call("generate", prompt_ids, *args, **kwargs)[0]
+        busy = [(k, lo, hi) for k, (lo, hi) in enumerate(shares(len(prompt_ids), len(self._conns))) if hi > lo] \
+            or [(0, 0, 0)]
+        for k, lo, hi in busy:
+            self._send_raw(("generate", (prompt_ids[lo:hi], *args), {**kwargs, "first_request": lo}), "generate",
+                           which=[k])
+        return merge_rollouts(self._answer("generate", which=[k for k, _, _ in busy]))
 
     def sleep(self) -> None:
         self._call("sleep")
@@ -164,24 +238,27 @@ class EngineProcess:
         self._call("wake", tags)
 
     def resident_hint(self, perf: dict):
-        return self._call("resident_hint", perf)
+        """The engine's hint (VLLMEngine.resident_hint); none with several engines (each knows only its own share)."""
+        hints = self._call("resident_hint", perf)
+        return hints[0] if len(hints) == 1 else None
 
     def load_weights(self, named_tensors):
-        """Consume the whole iterator (a collective on several ranks) into one engine.load_weights in the child, a
-        bucket at a time: CUDA tensors shared with the child (same GPU), else CPU tensors. An error in the middle
-        leaves the pipe out of step: the run stops (it would anyway)."""
+        """Consume the whole iterator (a collective on several ranks) into one engine.load_weights in each child, a
+        bucket at a time (every child reads the same bucket): CUDA tensors shared with the children (same GPU), else
+        CPU tensors. An error in the middle leaves the pipes out of step: the run stops (it would anyway)."""
         device = "cuda" if self.refit_via == "cuda" else "cpu"
         # a copy of its own (copy=True): a tensor the child maps must not be a view of the trainer's buffers
         moved = ((name, t.detach().to(device, self._dtype(t), copy=True)) for name, t in named_tensors)
-        self._send("load_weights")
+        self._send_raw(("load_weights", (), {}))
         for bucket in bucket_by_bytes(moved, self.args.refit_bucket_mb * 2**20):
             if device == "cuda":
                 torch.cuda.current_stream().synchronize()  # the casts are written before the child reads them
             self._send_raw(bucket)
             del bucket
-            self._answer("load_weights", expect="more")  # the child took it: the next may be made
+            self._answer("load_weights", expect="more")  # every child took it: the next may be made
         self._send_raw(None)
-        return self._answer("load_weights")
+        seconds = self._answer("load_weights")
+        return max(s for s in seconds if s is not None) if any(s is not None for s in seconds) else None
 
     def _dtype(self, t: torch.Tensor) -> torch.dtype:
         """The engine's dtype for floating tensors (halves the copy of fp32 masters for a bf16 engine)."""
@@ -190,13 +267,15 @@ class EngineProcess:
         return DTYPES[self.args.dtype]
 
     def close(self) -> None:
-        """Stop the child (also at exit); a second call does nothing."""
-        if self._proc.is_alive():
-            try:
-                self._conn.send(("close", (), {}))
-            except (BrokenPipeError, OSError):
-                pass
-            self._proc.join(timeout=60)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
+        """Stop the children (also at exit); a second call does nothing."""
+        for conn, proc in zip(self._conns, self._procs):
+            if proc.is_alive():
+                try:
+                    conn.send(("close", (), {}))
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

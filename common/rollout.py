@@ -282,7 +282,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids, n, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, seed=0,
-                 stop_token_ids=None, ignore_eos=False, logprobs=True) -> Rollout:
+                 stop_token_ids=None, ignore_eos=False, logprobs=True, first_request=0) -> Rollout:
         if not prompt_ids:  # a rank with no prompts (e.g. fewer --eval-size prompts than ranks)
             return Rollout([], [], [] if logprobs else None, [])
         stops = list(stop_token_ids or self.eos)
@@ -294,7 +294,8 @@ class HFEngine:
             mask[i, width - len(p):] = 1
         greedy = temperature == 0
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(seed)
+            # a share of a batch (first_request > 0, --vllm.num-engines) draws from a stream of its own
+            torch.manual_seed(seed if not first_request else hash((seed, first_request)) % 2**63)
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=not greedy,
                 temperature=None if greedy else temperature, top_p=None if greedy else top_p,

@@ -77,6 +77,11 @@ class VLLMArgs:
     engine_gpu: int = -1
     """with --vllm.own-process: the GPU of the engine, an index into the rank's visible GPUs (-1: the rank's own);
     e.g. 1 with torchrun --nproc_per_node=1 on 2 GPUs puts the engine on one and the trainer on the other"""
+    num_engines: int = 1
+    """with --vllm.own-process: engines (processes) per rank on its GPU, each decoding a contiguous share of the
+    prompts with 1/N of --vllm.max-num-seqs and of --vllm.gpu-memory-utilization. Generation is bound by vLLM's
+    host loop, one core per engine: N loops share the GPU and finish a batch sooner (docs/performance.md). Each
+    holds a copy of the weights: for small models"""
 
 
 # ---- pure helpers (CPU-tested) -------------------------------------------------------------------------------
@@ -212,13 +217,15 @@ def to_rollout(outputs) -> Rollout:
     return Rollout(prompts, responses, logprobs if have_logprobs else None, reasons)
 
 
-def request_seeds(seed: int, dp_rank: int, num_requests: int, n: int) -> list[int]:
+def request_seeds(seed: int, dp_rank: int, num_requests: int, n: int, first: int = 0) -> list[int]:
     """One seed per request, distinct across requests, replicas and steps; vLLM gives the n samples of a
-    request seeds s, s+1, ..., s+n-1 (vllm/v1/engine/parallel_sampling.py), hence the stride n."""
-    if num_requests * n >= 2**20 or not 0 <= dp_rank < 2**12:
-        raise ValueError(f"request_seeds: {num_requests} x {n} samples or replica {dp_rank} out of range")
+    request seeds s, s+1, ..., s+n-1 (vllm/v1/engine/parallel_sampling.py), hence the stride n. first: the index
+    of the first request in its whole batch (a share of it, --vllm.num-engines), so a request's seed does not
+    depend on how the batch is cut."""
+    if (first + num_requests) * n >= 2**20 or not 0 <= dp_rank < 2**12 or first < 0:
+        raise ValueError(f"request_seeds: {first} + {num_requests} x {n} samples or replica {dp_rank} out of range")
     base = ((seed % 2**30) * 2**12 + dp_rank) * 2**20  # < 2**62: fits vLLM's int64 seeds
-    return [base + i * n for i in range(num_requests)]
+    return [base + i * n for i in range(first, first + num_requests)]
 
 
 def tp_layout(rank: int, world_size: int, tp: int, local_world_size: int | None = None,
@@ -383,9 +390,10 @@ class VLLMEngine:
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, top_k: int,
                  max_new_tokens: int, seed: int, stop_token_ids: list[int] | None = None,
-                 ignore_eos: bool = False, logprobs: bool = True) -> Rollout:
+                 ignore_eos: bool = False, logprobs: bool = True, first_request: int = 0) -> Rollout:
         """n samples per prompt, prompt-major (p0s0..p0s(n-1), p1s0..); greedy when temperature == 0.
-        logprobs: also return each sampled token's log-prob (Rollout.logprobs; None without)."""
+        logprobs: also return each sampled token's log-prob (Rollout.logprobs; None without).
+        first_request: these prompts' index in the whole batch, when they are a share of it (request seeds)."""
         from vllm import SamplingParams
 
         if self._asleep:
@@ -419,7 +427,7 @@ class VLLMEngine:
         # Greedy: n identical copies as n=1 requests (vLLM versions differ on n > 1 with greedy sampling).
         requests = [p for p in prompts for _ in range(n)] if greedy else prompts
         per_request = 1 if greedy else n
-        seeds = (request_seeds(seed, self.dp_rank, len(requests), per_request)
+        seeds = (request_seeds(seed, self.dp_rank, len(requests), per_request, first_request)
                  if self.args.seed_requests and not greedy else [None] * len(requests))
         params = [SamplingParams(
             n=per_request, temperature=temperature, top_p=1.0 if greedy else top_p,

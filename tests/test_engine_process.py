@@ -29,7 +29,7 @@ def pair(tiny_model_dir):
 
 def test_generates_and_refits_as_the_engine_in_process(pair):
     here, there = pair
-    assert there._proc.pid != os.getpid() and there._proc.is_alive()
+    assert there._procs[0].pid != os.getpid() and there._procs[0].is_alive()
     before = sample(here)
     assert sample(there) == before
     torch.manual_seed(0)
@@ -52,8 +52,8 @@ def test_an_error_in_the_child_comes_back_with_its_traceback_and_the_child_lives
 
 def test_a_dead_child_is_named(tiny_model_dir):
     there = E.EngineProcess("hf", str(tiny_model_dir), VLLMArgs(), 64, 0, 0, [], None)
-    there._proc.kill()
-    there._proc.join()
+    there._procs[0].kill()
+    there._procs[0].join()
     with pytest.raises(RuntimeError, match="rollout engine's process (is gone|died)"):
         sample(there)
     there.close()  # nothing left to stop: no error
@@ -75,7 +75,7 @@ def test_a_refit_the_trainer_abandons_midway_does_not_hold_up_the_close(tiny_mod
         there.load_weights(failing())
     t0 = time.perf_counter()
     there.close()
-    assert time.perf_counter() - t0 < 20 and there._proc.exitcode == 0
+    assert time.perf_counter() - t0 < 20 and there._procs[0].exitcode == 0
 
 
 def test_a_child_that_cannot_build_its_engine_says_why(tmp_path):
@@ -156,6 +156,83 @@ def test_an_engine_gpu_without_its_own_process_is_refused():
     E.check_engine_args(VLLMArgs())
 
 
+def test_a_batch_is_cut_into_contiguous_shares_as_even_as_possible():
+    assert E.shares(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert E.shares(2, 3) == [(0, 1), (1, 2), (2, 2)]
+    assert E.shares(512, 4) == [(0, 128), (128, 256), (256, 384), (384, 512)]
+
+
+def test_a_share_of_a_batch_gets_the_request_seeds_it_has_in_the_whole_batch():
+    from common.vllm_engine import request_seeds
+    whole = request_seeds(5, 0, 64, 8)
+    assert request_seeds(5, 0, 24, 8, first=40) == whole[40:] and request_seeds(5, 0, 40, 8) == whole[:40]
+    with pytest.raises(ValueError, match="out of range"):
+        request_seeds(5, 0, 10, 8, first=-1)
+
+
+def test_several_engines_split_the_prompts_refit_together_and_answer_in_order(tiny_model_dir):
+    """--vllm.num-engines 2: each child generates a contiguous share, told its place in the batch (first_request:
+    vLLM's request seeds follow it; the HF engine draws from a stream of its own), the rollout keeps the prompts'
+    order, one refit reaches both, and each child gets half of the batch and memory limits."""
+    args = replace(VLLMArgs(), num_engines=2, max_num_seqs=5, gpu_memory_utilization=0.3, refit_bucket_mb=0)
+    one = E.EngineProcess("hf", str(tiny_model_dir), VLLMArgs(), 64, 0, 0, [], None)
+    two = E.EngineProcess("hf", str(tiny_model_dir), args, 64, 0, 0, [], None)
+    try:
+        assert len(two._procs) == 2 and len({p.pid for p in two._procs}) == 2
+        prompts = PROMPTS + [[8, 9], [10, 11, 12]]  # shares of 2 and 2
+        r1 = one.generate(prompts, n=2, temperature=1.0, max_new_tokens=6, seed=3, logprobs=True)
+        r2 = two.generate(prompts, n=2, temperature=1.0, max_new_tokens=6, seed=3, logprobs=True)
+        assert r2.prompt_ids == r1.prompt_ids == [p for p in prompts for _ in range(2)]
+        assert len(r2.response_ids) == len(r2.logprobs) == len(r2.finish_reasons) == 8
+        # each share is what one engine gives for it, told where it starts in the batch (request seeds: vLLM)
+        kw = dict(n=2, temperature=1.0, max_new_tokens=6, seed=3, logprobs=True)
+        first, second = one.generate(prompts[:2], **kw), one.generate(prompts[2:], first_request=2, **kw)
+        assert r2.response_ids == first.response_ids + second.response_ids
+        assert r2.logprobs == first.logprobs + second.logprobs
+        assert second.response_ids != one.generate(prompts[2:], **kw).response_ids  # a stream of its own
+        greedy = dict(n=1, temperature=0.0, max_new_tokens=5, seed=0)
+        assert two.generate(prompts, **greedy).response_ids == one.generate(prompts, **greedy).response_ids
+        # fewer prompts than engines: the idle engine is not asked, the rollout is the busy one's
+        assert two.generate(PROMPTS[:1], **greedy).response_ids == one.generate(PROMPTS[:1], **greedy).response_ids
+        assert two.generate([], **greedy).response_ids == []
+
+        def zeros():
+            here = HFEngine(str(tiny_model_dir), torch.device("cpu"), pad_token_id=0, eos_token_ids=[])
+            for n, p in here.model.named_parameters():
+                yield n, p.detach() * 0
+        two.load_weights(zeros())  # many buckets (refit_bucket_mb 0), each taken by both children
+        r = two.generate(prompts, n=2, temperature=1.0, max_new_tokens=4, seed=1, logprobs=True)
+        vocab = HFEngine(str(tiny_model_dir), torch.device("cpu"), pad_token_id=0, eos_token_ids=[]).model.config.vocab_size
+        uniform = -torch.log(torch.tensor(float(vocab))).item()
+        assert all(abs(x - uniform) < 1e-4 for lp in r.logprobs for x in lp)  # both shares run the zero weights
+        two.sleep(), two.wake(["weights"]), two.wake(["kv_cache"])
+        assert two.resident_hint({}) is None and two.weights_discarded is False
+        share = E.engine_share(args)  # what each child's engine is built with: its share of the limits
+        assert (share.max_num_seqs, share.gpu_memory_utilization, share.num_engines) == (3, 0.15, 2)
+    finally:
+        one.close(), two.close()
+    assert all(p.exitcode == 0 for p in two._procs)
+
+
+def test_an_error_in_one_engine_of_several_keeps_the_pipes_in_step(tiny_model_dir):
+    two = E.EngineProcess("hf", str(tiny_model_dir), replace(VLLMArgs(), num_engines=2), 64, 0, 0, [], None)
+    try:
+        with pytest.raises(RuntimeError, match="(?s)failed in generate.*IndexError"):
+            two.generate(PROMPTS[:1] + [[10**9]], n=1, temperature=1.0, max_new_tokens=2, seed=0)  # the 2nd share
+        assert len(two.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=3, seed=0).response_ids) == 4
+    finally:
+        two.close()
+
+
+def test_several_engines_need_their_own_processes_and_a_batch_to_share():
+    with pytest.raises(ValueError, match="num-engines 2 runs engines in processes of their own: add --vllm.own-process"):
+        E.check_engine_args(replace(VLLMArgs(), num_engines=2))
+    E.check_engine_args(replace(VLLMArgs(), num_engines=2, own_process=True))
+    for bad in (0, 600):
+        with pytest.raises(ValueError, match=f"num-engines {bad}: give 1 to 512"):
+            E.EngineProcess("hf", "m", replace(VLLMArgs(), num_engines=bad), 64, 0, 0, [], None)
+
+
 # ---- GPU + vLLM: the engine in its own process on the trainer's GPU ------------------------------------------------
 
 @pytest.mark.gpu
@@ -188,3 +265,42 @@ def test_vllm_in_its_own_process_refits_over_cuda_ipc_and_over_cpu(tmp_path):
         assert outs[0] != outs[1] and outs[2] == outs[0]
     finally:
         there.close()
+
+
+@pytest.mark.gpu
+def test_two_vllm_engines_on_one_gpu_refit_over_cuda_ipc_and_sample_as_one(tmp_path):
+    """--vllm.num-engines 2 on this process's GPU: both children take the CUDA IPC refit (greedy tokens are the new
+    weights' argmax in both shares), and seeded sampling gives the rows one engine gives for the whole batch (request
+    seeds follow the prompt's place in the batch; a row may still differ where batch numerics flip a token)."""
+    from test_vllm_engine import HAS_GPU_VLLM, _assert_transformers_argmax, _greedy, _prompts, _tiny_qwen2
+    if not HAS_GPU_VLLM:
+        pytest.skip("needs a CUDA GPU and vLLM")
+    first = _tiny_qwen2(tmp_path / "first", seed=0)
+    second = _tiny_qwen2(tmp_path / "second", seed=1)
+    args = replace(VLLMArgs(), gpu_memory_utilization=0.2, max_num_seqs=16, enforce_eager=True, refit_bucket_mb=16)
+    prompts = _prompts(num=6)
+    kw = dict(n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=11, logprobs=True)
+    one = E.EngineProcess("vllm", str(tmp_path / "first"), args, 128, 0, 0, [], E.child_gpu(-1, 0))
+    try:
+        alone = one.generate(prompts, **kw)
+    finally:
+        one.close()
+    two = E.EngineProcess("vllm", str(tmp_path / "first"), replace(args, num_engines=2), 128, 0, 0, [],
+                          E.child_gpu(-1, 0))
+    try:
+        assert two.refit_via == "cuda" and len(two._procs) == 2
+        shared = two.generate(prompts, **kw)
+        assert shared.prompt_ids == alone.prompt_ids
+        same = sum(a == b for a, b in zip(shared.response_ids, alone.response_ids))
+        assert same >= 0.75 * len(alone.response_ids), f"{same} of {len(alone.response_ids)} rows as one engine's"
+        two.sleep()
+        two.wake(["weights"])
+        assert two.weights_discarded
+        two.load_weights((n, p.detach().cuda()) for n, p in second.named_parameters())
+        two.wake(["kv_cache"])
+        assert not two.weights_discarded
+        out = _greedy(two, prompts)
+        assert len(out.response_ids) == 6
+        _assert_transformers_argmax(out, second)  # rows 0-2 from one engine, 3-5 from the other
+    finally:
+        two.close()

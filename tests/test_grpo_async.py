@@ -38,7 +38,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     """The runs the slow tests read: grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
     weights stay those of step 0 at every step); on for 3 steps, the engine in the trainer's process (a thread);
     on for 3 steps with the defaults: the engine in a process of its own; on for 3 steps with pi_old scored by the
-    trainer (--behaviour-logp trainer)."""
+    trainer (--behaviour-logp trainer); on for 3 steps with two engine processes (--vllm.num-engines 2)."""
     out = tmp_path_factory.mktemp("async")
     return {"grpo": run("grpo.py", tiny_model_dir, out, "grpo"),
             "off": run("grpo_async.py", tiny_model_dir, out, "off", "--no-async-rollout"),
@@ -47,7 +47,9 @@ def runs(tiny_model_dir, tmp_path_factory):
                           "--num-steps", "3"),
             "process": run("grpo_async.py", tiny_model_dir, out, "process", "--num-steps", "3"),  # the default
             "trainer": run("grpo_async.py", tiny_model_dir, out, "trainer", "--num-steps", "3", "--behaviour-logp",
-                           "trainer", "--vllm.no-own-process")}
+                           "trainer", "--vllm.no-own-process"),
+            "engines2": run("grpo_async.py", tiny_model_dir, out, "engines2", "--num-steps", "3",
+                            "--vllm.num-engines", "2")}
 
 
 @pytest.mark.slow
@@ -89,6 +91,22 @@ def test_the_engine_in_a_process_of_its_own_changes_nothing_but_where_it_runs(ru
     for a, b in zip(on, proc):
         keys = {k for k in a if not k.startswith("perf/") and k != "time"}
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys if k in keys}
+
+
+@pytest.mark.slow
+def test_two_engine_processes_sample_the_same_prompts_and_train(runs):
+    """--vllm.num-engines 2: each child samples half of a step's prompts (the HF engine draws the second half from a
+    stream of its own, so completions differ from one engine's), the rollout keeps the prompts' order and size, and
+    training runs as with one engine: step 0 (same weights) clips nothing, the next steps (one update behind) do."""
+    (one, one_samples), (two, two_samples) = runs["process"], runs["engines2"]
+    assert [r["step"] for r in two] == [0, 1, 2]
+    for step in (0, 1, 2):
+        assert [p for p, _, _ in two_samples[step]] == [p for p, _, _ in one_samples[step]]
+    assert two_samples[0] != one_samples[0]  # the second share's completions come from another stream
+    assert two[0]["train/clip_frac"] == 0 and two[1]["train/clip_frac"] > 0
+    for r in two:
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, (int, float))), r
+        assert r["rollout/sequences_trained"] == 8 and r["perf/generate_s"] > 0
 
 
 @pytest.mark.slow

@@ -163,7 +163,8 @@ class EngineProcess:
             self._procs.append(proc)
             self._answer_one(k, "start")
         self.refit_via = "cpu"  # how load_weights hands over the weights: "cuda" (IPC, same GPU) or "cpu"
-        if self._cast and gpu is not None and gpu == torch.cuda.current_device():
+        self._same_gpu = gpu is not None and gpu == torch.cuda.current_device()
+        if self._cast and self._same_gpu:
             probe = torch.arange(4.0, device="cuda")
             try:
                 if self._call("probe", probe) == [probe.tolist()] * n:
@@ -235,6 +236,10 @@ class EngineProcess:
         self._call("sleep")
 
     def wake(self, tags=None) -> None:
+        """Wake the children; on the trainer's own GPU, first hand torch's cached blocks back (the update's
+        activations), as VLLMEngine.wake does in-process: the children's weights and KV cache map beside them."""
+        if self._same_gpu:
+            torch.cuda.empty_cache()
         self._call("wake", tags)
 
     def resident_hint(self, perf: dict):

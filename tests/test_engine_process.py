@@ -43,6 +43,19 @@ def test_generates_and_refits_as_the_engine_in_process(pair):
     assert there.weights_discarded is False and there.resident_hint({}) is None
 
 
+def test_waking_an_engine_on_the_trainer_s_gpu_hands_torch_s_cached_blocks_back_first(pair, monkeypatch):
+    """The update's cached activations would stay reserved in the trainer while the children map their weights and
+    KV cache beside them (session 16's W05: whole-GPU peak 58 GiB with 4 engines). Only for the trainer's own GPU."""
+    _, there = pair
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    there.wake(["weights"])
+    assert calls == []  # the child is not on the trainer's GPU (CPU here)
+    monkeypatch.setattr(there, "_same_gpu", True)
+    there.wake(["kv_cache"])
+    assert calls == [1]
+
+
 def test_an_error_in_the_child_comes_back_with_its_traceback_and_the_child_lives_on(pair):
     _, there = pair
     with pytest.raises(RuntimeError, match="(?s)failed in generate.*Traceback.*IndexError"):
@@ -280,8 +293,17 @@ def test_two_vllm_engines_on_one_gpu_refit_over_cuda_ipc_and_sample_as_one(tmp_p
     args = replace(VLLMArgs(), gpu_memory_utilization=0.2, max_num_seqs=16, enforce_eager=True, refit_bucket_mb=16)
     prompts = _prompts(num=6)
     kw = dict(n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=11, logprobs=True)
+
+    def ready(engine, model):  # make_engine hands an engine over asleep (level 2: no weights until a refit)
+        engine.wake(["weights"])
+        assert engine.weights_discarded
+        engine.load_weights((n, p.detach().cuda()) for n, p in model.named_parameters())
+        engine.wake(["kv_cache"])
+        assert not engine.weights_discarded
+
     one = E.EngineProcess("vllm", str(tmp_path / "first"), args, 128, 0, 0, [], E.child_gpu(-1, 0))
     try:
+        ready(one, first)
         alone = one.generate(prompts, **kw)
     finally:
         one.close()
@@ -289,16 +311,13 @@ def test_two_vllm_engines_on_one_gpu_refit_over_cuda_ipc_and_sample_as_one(tmp_p
                           E.child_gpu(-1, 0))
     try:
         assert two.refit_via == "cuda" and len(two._procs) == 2
+        ready(two, first)
         shared = two.generate(prompts, **kw)
         assert shared.prompt_ids == alone.prompt_ids
         same = sum(a == b for a, b in zip(shared.response_ids, alone.response_ids))
         assert same >= 0.75 * len(alone.response_ids), f"{same} of {len(alone.response_ids)} rows as one engine's"
         two.sleep()
-        two.wake(["weights"])
-        assert two.weights_discarded
-        two.load_weights((n, p.detach().cuda()) for n, p in second.named_parameters())
-        two.wake(["kv_cache"])
-        assert not two.weights_discarded
+        ready(two, second)
         out = _greedy(two, prompts)
         assert len(out.response_ids) == 6
         _assert_transformers_argmax(out, second)  # rows 0-2 from one engine, 3-5 from the other

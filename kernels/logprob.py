@@ -283,8 +283,10 @@ if HAS_TRITON:
                 a = alpha * (a + s * shift) + tl.sum(e * tl.where(col_ok[None, :], zc, 0.0), 1)
                 s = alpha * s + tl.sum(e, axis=1)
                 m = m_new
-                hit = (offs_v[None, :] == tgt[:, None]) & col_ok[None, :]  # not the next chunk's
-                zt += tl.sum(tl.where(hit, z, 0.0), axis=1)
+        # the target's logit: one load per row where it falls in this program's columns (not a compare and a fourth
+        # row reduction per tile); ignored rows (-100) and targets in other columns add nothing
+        mine = row_ok & (tgt >= c_start) & (tgt < c_start + CHUNKS * BLOCK_V) & (tgt < ncols)
+        zt += tl.load(z_ptr + offs_n.to(tl.int64) * stride_z + tgt, mask=mine, other=0.0) * inv_temp
         tl.store(stat_ptr + offs_n, m, mask=row_ok)
         tl.store(stat_ptr + stride_s + offs_n, s, mask=row_ok)
         tl.store(stat_ptr + 2 * stride_s + offs_n, a, mask=row_ok)

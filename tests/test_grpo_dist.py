@@ -95,6 +95,23 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
     assert re.search(r"FSDP unit +model", p.stdout)  # two ranks, kept gathered: per-layer units would only cost
 
 
+def test_two_ranks_each_with_two_engine_processes(tiny_model_dir, tmp_path):
+    """--vllm.own-process --vllm.num-engines 2 on two ranks: each rank's two children sample its prompts, every refit
+    reaches all four (the engines' log-probs stay those of the trainer's weights after each update: a child left on
+    old weights would be 1e-2 off), and greedy evaluation goes through the shares too."""
+    torchrun("grpo.py", "--model", str(tiny_model_dir), "--num-steps", "3", "--prompts-per-step", "4",
+             "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "3", "--eval-size", "4",
+             "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-2", "--engine-logprobs-every", "1",
+             "--vllm.own-process", "--vllm.num-engines", "2", "--out-dir", str(tmp_path), "--exp-name", "m2", nproc=2)
+    rows = read_metrics(tmp_path / "m2")
+    train = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in train] == [0, 1, 2]
+    for r in train:
+        assert r["rollout/sequences_trained"] == 8 and r["train/grad_norm"] > 0
+        assert r["rollout/logprob_gap_max"] < 1e-3
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3]
+
+
 @pytest.mark.slow
 def test_learning_toy_task(tiny_model_dir, tmp_path):
     """Mean reward rises under grpo.py on a task a random tiny model can learn (fraction of letters a-m; top-k

@@ -162,6 +162,8 @@ class EngineProcess:
             self._conns.append(conn)
             self._procs.append(proc)
             self._answer_one(k, "start")
+        # make_engine hands each engine over asleep (a no-op at sleep level 0)
+        self._asleep = {"weights", "kv_cache"} if vllm_args.sleep_level > 0 else set()
         self.refit_via = "cpu"  # how load_weights hands over the weights: "cuda" (IPC, same GPU) or "cpu"
         self._same_gpu = gpu is not None and gpu == torch.cuda.current_device()
         if self._cast and self._same_gpu:
@@ -234,13 +236,16 @@ class EngineProcess:
 
     def sleep(self) -> None:
         self._call("sleep")
+        self._asleep = {"weights", "kv_cache"} if self.args.sleep_level > 0 else set()
 
     def wake(self, tags=None) -> None:
-        """Wake the children; on the trainer's own GPU, first hand torch's cached blocks back (the update's
-        activations), as VLLMEngine.wake does in-process: the children's weights and KV cache map beside them."""
-        if self._same_gpu:
+        """Wake the children; when they sleep on the trainer's own GPU, first hand torch's cached blocks back (the
+        update's activations), as VLLMEngine.wake does in-process: the children's weights and KV cache map beside
+        them. Awake (sleep level 0, grpo_async.py's engine between steps): the trainer's cache stays as it is."""
+        if self._same_gpu and self._asleep:
             torch.cuda.empty_cache()
         self._call("wake", tags)
+        self._asleep -= set(tags or ("weights", "kv_cache"))
 
     def resident_hint(self, perf: dict):
         """The engine's hint (VLLMEngine.resident_hint); none with several engines (each knows only its own share)."""

@@ -45,15 +45,24 @@ def test_generates_and_refits_as_the_engine_in_process(pair):
 
 def test_waking_an_engine_on_the_trainer_s_gpu_hands_torch_s_cached_blocks_back_first(pair, monkeypatch):
     """The update's cached activations would stay reserved in the trainer while the children map their weights and
-    KV cache beside them (session 16's W05: whole-GPU peak 58 GiB with 4 engines). Only for the trainer's own GPU."""
+    KV cache beside them (session 16's W05: whole-GPU peak 58 GiB with 4 engines). Only for the trainer's own GPU,
+    and only when the engine sleeps: an awake engine's wake (grpo_async.py's, every step) keeps the trainer's cache."""
     _, there = pair
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    there.sleep()
     there.wake(["weights"])
     assert calls == []  # the child is not on the trainer's GPU (CPU here)
     monkeypatch.setattr(there, "_same_gpu", True)
-    there.wake(["kv_cache"])
+    there.wake(["kv_cache"])  # the KV cache still sleeps
     assert calls == [1]
+    there.wake(["weights"]), there.wake(["kv_cache"])  # awake: nothing to hand back
+    assert calls == [1]
+    there.sleep(), there.wake(["weights"]), there.wake(["kv_cache"])
+    assert calls == [1, 1, 1]
+    monkeypatch.setattr(there.args, "sleep_level", 0)  # level 0: sleep is a no-op, the engine never sleeps
+    there.sleep(), there.wake(["weights"]), there.wake(["kv_cache"])
+    assert calls == [1, 1, 1]
 
 
 def test_an_error_in_the_child_comes_back_with_its_traceback_and_the_child_lives_on(pair):

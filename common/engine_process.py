@@ -30,7 +30,8 @@ import torch.multiprocessing as mp
 from common.rollout import Rollout
 from common.vllm_engine import DTYPES, bucket_by_bytes
 
-_SHARED_STATE = ("timings", "weights_discarded")  # engine attributes the scripts read, copied back after each call
+# engine attributes the scripts (and EngineProcess.wake) read, copied back after each call
+_SHARED_STATE = ("timings", "weights_discarded", "asleep")
 
 
 def check_engine_args(vllm_args) -> None:
@@ -147,7 +148,7 @@ class EngineProcess:
         if n < 1 or n > vllm_args.max_num_seqs:
             raise ValueError(f"--vllm.num-engines {n}: give 1 to {vllm_args.max_num_seqs} (--vllm.max-num-seqs "
                              f"is split between the engines)")
-        self.args, self.timings, self.weights_discarded = vllm_args, {}, False
+        self.args, self.timings, self.weights_discarded, self.asleep = vllm_args, {}, False, False
         self._cast = kind == "vllm"  # vLLM computes in --vllm.dtype; the HF engine keeps the trainer's dtype
         child_args = engine_share(vllm_args)
         ctx = mp.get_context("spawn")
@@ -162,8 +163,6 @@ class EngineProcess:
             self._conns.append(conn)
             self._procs.append(proc)
             self._answer_one(k, "start")
-        # make_engine hands each engine over asleep (a no-op at sleep level 0)
-        self._asleep = {"weights", "kv_cache"} if vllm_args.sleep_level > 0 else set()
         self.refit_via = "cpu"  # how load_weights hands over the weights: "cuda" (IPC, same GPU) or "cpu"
         self._same_gpu = gpu is not None and gpu == torch.cuda.current_device()
         if self._cast and self._same_gpu:
@@ -185,15 +184,13 @@ class EngineProcess:
             raise RuntimeError(f"the rollout engine's process failed in {what}:\n{value}")
         if status != expect:
             raise RuntimeError(f"the rollout engine's process answered {status!r} to {what}, expected {expect!r}")
-        if not state:  # a refit's "more"
-            return value
-        if k == 0:
-            self.timings = dict(state["timings"])
-            self.weights_discarded = state["weights_discarded"]
-        else:  # several engines: the slowest one's seconds; discarded if any one's weights are
-            for key, v in state["timings"].items():
-                self.timings[key] = max(v, self.timings.get(key, v))
-            self.weights_discarded |= state["weights_discarded"]
+        for key, v in state.items():  # none with a refit's "more"
+            if k == 0:
+                setattr(self, key, dict(v) if key == "timings" else v)
+            elif key == "timings":  # several engines: the slowest one's seconds
+                self.timings.update({t: max(s, self.timings.get(t, s)) for t, s in v.items()})
+            else:  # weights_discarded, asleep: if any engine's are
+                setattr(self, key, getattr(self, key) or v)
         return value
 
     def _answer(self, what: str, expect: str = "ok", which=None) -> list:
@@ -223,29 +220,25 @@ class EngineProcess:
         self._send_raw((method, args, kwargs), method)
         return self._answer(method)
 
-    def generate(self, prompt_ids, *args, **kwargs) -> Rollout:
+    def generate(self, prompt_ids, *args, first_request: int = 0, **kwargs) -> Rollout:
         """The prompts in contiguous shares, one per engine, all generating at once; the rollouts joined in order."""
-        if len(self._conns) == 1:
-            return self._call("generate", prompt_ids, *args, **kwargs)[0]
         busy = [(k, lo, hi) for k, (lo, hi) in enumerate(shares(len(prompt_ids), len(self._conns))) if hi > lo] \
             or [(0, 0, 0)]
         for k, lo, hi in busy:
-            self._send_raw(("generate", (prompt_ids[lo:hi], *args), {**kwargs, "first_request": lo}), "generate",
-                           which=[k])
+            share = ("generate", (prompt_ids[lo:hi], *args), {**kwargs, "first_request": first_request + lo})
+            self._send_raw(share, "generate", which=[k])
         return merge_rollouts(self._answer("generate", which=[k for k, _, _ in busy]))
 
     def sleep(self) -> None:
         self._call("sleep")
-        self._asleep = {"weights", "kv_cache"} if self.args.sleep_level > 0 else set()
 
     def wake(self, tags=None) -> None:
         """Wake the children; when they sleep on the trainer's own GPU, first hand torch's cached blocks back (the
         update's activations), as VLLMEngine.wake does in-process: the children's weights and KV cache map beside
         them. Awake (sleep level 0, grpo_async.py's engine between steps): the trainer's cache stays as it is."""
-        if self._same_gpu and self._asleep:
+        if self._same_gpu and self.asleep:
             torch.cuda.empty_cache()
         self._call("wake", tags)
-        self._asleep -= set(tags or ("weights", "kv_cache"))
 
     def resident_hint(self, perf: dict):
         """The engine's hint (VLLMEngine.resident_hint); none with several engines (each knows only its own share)."""
@@ -267,8 +260,7 @@ class EngineProcess:
             del bucket
             self._answer("load_weights", expect="more")  # every child took it: the next may be made
         self._send_raw(None)
-        seconds = self._answer("load_weights")
-        return max(s for s in seconds if s is not None) if any(s is not None for s in seconds) else None
+        return max((s for s in self._answer("load_weights") if s is not None), default=None)  # the slowest
 
     def _dtype(self, t: torch.Tensor) -> torch.dtype:
         """The engine's dtype for floating tensors (halves the copy of fp32 masters for a bf16 engine)."""

@@ -268,6 +268,7 @@ class HFEngine:
     """transformers `generate` on its own copy of the weights, refit from the trainer like the vLLM engine, so
     the CPU path exercises the same choreography (wake, load_weights, generate, sleep)."""
     weights_discarded = False  # sleep keeps the weights (VLLMEngine: True after a level-2 sleep, until a refit)
+    asleep = False  # between sleep() and wake()
 
     def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype = torch.float32,
                  pad_token_id: int = 0, eos_token_ids: list[int] | None = None):
@@ -325,10 +326,12 @@ class HFEngine:
             self.params[name].copy_(t)
 
     def sleep(self) -> None:
+        self.asleep = True
         if self.device.type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
     def wake(self, tags=None) -> None:
+        self.asleep = False  # wakes the whole model whatever the tags
         if self.device.type == "cuda":
             self.model.to(self.device)

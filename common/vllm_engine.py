@@ -478,6 +478,11 @@ class VLLMEngine:
         self.timings["sleep"] = time.perf_counter() - t0
         self._log(f"sleep(level={self.args.sleep_level}) {self.timings['sleep']:.2f}s")
 
+    @property
+    def asleep(self) -> bool:
+        """The weights or the KV cache sleep (never at level 0, whose sleep keeps both)."""
+        return bool(self._asleep)
+
     def resident_hint(self, perf: dict) -> str | None:
         """resident_hint for this engine after a step whose perf holds the trainer's peak (trainer_peak_gib: this
         engine's pool is counted in peak_mem_gib) and the sleep / wake seconds."""

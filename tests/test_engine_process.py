@@ -46,23 +46,25 @@ def test_generates_and_refits_as_the_engine_in_process(pair):
 def test_waking_an_engine_on_the_trainer_s_gpu_hands_torch_s_cached_blocks_back_first(pair, monkeypatch):
     """The update's cached activations would stay reserved in the trainer while the children map their weights and
     KV cache beside them (session 16's W05: whole-GPU peak 58 GiB with 4 engines). Only for the trainer's own GPU,
-    and only when the engine sleeps: an awake engine's wake (grpo_async.py's, every step) keeps the trainer's cache."""
+    and only while the engine sleeps, as the child reports it: an awake engine's wake (grpo_async.py's, every step;
+    any at sleep level 0, whose VLLMEngine.sleep keeps everything) keeps the trainer's cache."""
+    from common.vllm_engine import VLLMEngine
     _, there = pair
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
     there.sleep()
+    assert there.asleep  # the child's state, copied back
     there.wake(["weights"])
-    assert calls == []  # the child is not on the trainer's GPU (CPU here)
+    assert calls == [] and not there.asleep  # the child is not on the trainer's GPU (CPU here); HF wakes it all
     monkeypatch.setattr(there, "_same_gpu", True)
-    there.wake(["kv_cache"])  # the KV cache still sleeps
-    assert calls == [1]
     there.wake(["weights"]), there.wake(["kv_cache"])  # awake: nothing to hand back
+    assert calls == []
+    there.sleep(), there.wake(["weights"]), there.wake(["kv_cache"])
     assert calls == [1]
-    there.sleep(), there.wake(["weights"]), there.wake(["kv_cache"])
-    assert calls == [1, 1, 1]
-    monkeypatch.setattr(there.args, "sleep_level", 0)  # level 0: sleep is a no-op, the engine never sleeps
-    there.sleep(), there.wake(["weights"]), there.wake(["kv_cache"])
-    assert calls == [1, 1, 1]
+    vllm = VLLMEngine.__new__(VLLMEngine)  # what the vLLM child reports: asleep while any part sleeps
+    for parts, asleep in ((set(), False), ({"kv_cache"}, True), ({"weights", "kv_cache"}, True)):
+        vllm._asleep = parts
+        assert vllm.asleep is asleep
 
 
 def test_an_error_in_the_child_comes_back_with_its_traceback_and_the_child_lives_on(pair):

@@ -78,7 +78,7 @@ def fused_loss(budget_mb, loss_fn, token_args):
 
 
 def parse_stream(spec):
-    """--loss-stream's "BLOCK_NxBLOCK_VxWARPSxPER_SM", e.g. 16x512x8x2 (token_loss's default on CUDA)."""
+    """--loss-stream's "BLOCK_NxBLOCK_VxWARPSxPER_SM", e.g. 4x2048x8x4 (token_loss's default on CUDA since session 17)."""
     try:
         bn, bv, warps, per_sm = (int(x) for x in spec.split("x"))
     except ValueError:
@@ -396,6 +396,15 @@ def main():
         print("by op and input shapes (GEMMs: logits, dh, dW):")
         print(prof.key_averages(group_by_input_shape=True).table(
             sort_by="cuda_time_total", row_limit=12, max_shapes_column_width=60))
+        try:  # every GPU kernel, small ones included: what separates the kernels' sum from the wall time
+            kern = sorted((e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")),
+                          key=lambda e: -e.self_device_time_total)
+            print(f"GPU kernels: {len(kern)} names, {sum(e.self_device_time_total for e in kern) / 1e3:.2f} ms in all "
+                  f"(fwd+bwd wall {best['fwd_bwd_ms']:.2f} ms):")
+            for e in kern[:40]:
+                print(f"  {e.self_device_time_total / 1e3:9.3f} ms  {e.count:5d} calls  {e.key[:90]}")
+        except Exception as e:  # noqa: BLE001 - a profiler API change must not lose the bench's numbers
+            print(f"kernel list unavailable: {e!r}")
     print(f"bench done in {time.time() - t_start:.0f} s", flush=True)
 
 

@@ -18,9 +18,12 @@ external launcher needs one), so its engine is a single replica: no --vllm.tenso
 loop (its scheduler, per request and decode step, in Python: docs/performance.md), so N loops on N cores finish the
 same batch sooner while the GPU, mostly idle under one loop, serves them all. Request seeds follow the prompt's
 index in the whole batch (generate's first_request), so the samples do not depend on how the batch is cut.
+The children start at once (their imports side by side: ~30 s each on session 17's host) and build their engines
+one after the other (vLLM measures the GPU's free memory while it builds).
 """
 import atexit
 import os
+import time
 import traceback
 from dataclasses import replace
 
@@ -84,6 +87,15 @@ def _serve(conn, gpu: int | None, make_args: tuple) -> None:
         from common import dist as D
         from common.rollout import make_engine
         kind, model_path, vllm_args, max_model_len, seed, pad, stop_ids = make_args
+        if kind == "vllm":  # the slow imports side by side with the other children's; the builds one at a time
+            from common.vllm_engine import _import_vllm
+            _import_vllm()
+        conn.send(("ready", None, {}))
+        try:
+            if conn.recv()[0] != "build":  # the parent closed before this engine's turn
+                return
+        except EOFError:  # the parent is gone
+            return
         d = D.init_distributed("cuda" if gpu is not None else "cpu")
         engine = make_engine(kind, model_path, vllm_args, max_model_len, seed, d.device, pad, stop_ids)
         conn.send(("ok", None, {k: getattr(engine, k) for k in _SHARED_STATE}))
@@ -154,7 +166,8 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         atexit.register(self.close)
-        for k in range(n):  # one after the other: vLLM profiles the GPU's free memory while it starts
+        t0 = time.perf_counter()
+        for k in range(n):  # all processes at once: their imports (~30 s each on a slow host) side by side
             conn, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, name=f"rollout-engine-{k}", args=(  # not a daemon: vLLM may fork
                 child, gpu, (kind, model_path, child_args, max_model_len, seed + 7919 * k, pad_token_id, stop_ids)))
@@ -162,7 +175,12 @@ class EngineProcess:
             child.close()
             self._conns.append(conn)
             self._procs.append(proc)
+        for k in range(n):  # the engines one after the other: vLLM profiles the GPU's free memory while it starts
+            self._answer_one(k, "start", expect="ready")
+            self._conns[k].send(("build", (), {}))
             self._answer_one(k, "start")
+        if n > 1:
+            print(f"[engine process] {n} engines started in {time.perf_counter() - t0:.1f} s", flush=True)
         self.refit_via = "cpu"  # how load_weights hands over the weights: "cuda" (IPC, same GPU) or "cpu"
         self._same_gpu = gpu is not None and gpu == torch.cuda.current_device()
         if self._cast and self._same_gpu:

@@ -262,6 +262,20 @@ def memory_snapshot(device: torch.device | int | None = None) -> dict[str, int]:
             "free": free, "total": total}
 
 
+def process_device_bytes() -> int | None:
+    """This process's memory on the GPUs as the driver counts it (NVML: CUDA context, vLLM's pool, torch's cache and
+    the rest), or None where NVML cannot say (no pynvml, another PID namespace)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        used = [p.usedGpuMemory or 0 for i in range(pynvml.nvmlDeviceGetCount())
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
+                if p.pid == os.getpid()]
+        return sum(used) if used else None
+    except Exception:  # noqa: BLE001 - a diagnostic: never fails the caller
+        return None
+
+
 def _thread_usage() -> tuple[float, int]:
     """(CPU seconds, involuntary context switches) of the calling thread so far (Linux; the process elsewhere)."""
     who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
@@ -384,9 +398,10 @@ class VLLMEngine:
 
     def _log(self, msg: str) -> None:
         if self.verbose:
-            s = memory_snapshot(self.device)
+            s, mine = memory_snapshot(self.device), process_device_bytes()
             print(f"[vllm rank {self.rank}] {msg} | free {s['free'] / GiB:.1f} GiB, torch allocated "
-                  f"{s['allocated'] / GiB:.1f} GiB", flush=True)
+                  f"{s['allocated'] / GiB:.1f} GiB, reserved {s['reserved'] / GiB:.1f} GiB"
+                  + ("" if mine is None else f"; this process on the GPU {mine / GiB:.2f} GiB (NVML)"), flush=True)
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, top_k: int,
                  max_new_tokens: int, seed: int, stop_token_ids: list[int] | None = None,

@@ -691,8 +691,12 @@ def _loss_cfg(hidden):
     """token_loss's inner loop: its stats and dlogits kernels' tiles, the stats kernel's programs per SM (V split
     into ranges until there are that many) and vchunk, the columns of each logits GEMM, whose stats are folded in
     right after it (None: all of V, one GEMM per sub-block; narrower chunks are read back while they may still be
-    in the L2 cache). bench_logprob.py --loss-stream / --loss-vchunk time others."""
-    return dict(_stream_cfg(hidden), per_sm=2, vchunk=None)
+    in the L2 cache). bench_logprob.py --loss-stream / --loss-vchunk time others. On CUDA: the fastest tiles of session
+    17's sweep (H200, N 32768, H 3584, 2,048 MB: 4 x 2048, 8 warps, 4 programs per SM, fwd+bwd 183.5 ms against
+    186.8-188.7 for the other five; docs/kernels.md)."""
+    if hidden.device.type != "cuda" or _interpreting():
+        return dict(_stream_cfg(hidden), per_sm=2, vchunk=None)
+    return dict(BLOCK_N=4, BLOCK_V=2048, num_warps=8, per_sm=4, vchunk=None)
 
 
 def _per_token(token_args, n, device):

@@ -248,6 +248,34 @@ def test_an_error_in_one_engine_of_several_keeps_the_pipes_in_step(tiny_model_di
         two.close()
 
 
+def test_several_engines_start_side_by_side_and_build_one_at_a_time(tiny_model_dir, tmp_path, monkeypatch):
+    """Every child exists (its imports under way) before the first engine is built; engine k + 1 is told to build
+    only once engine k is up (vLLM measures free GPU memory while it builds); when one build fails, the children
+    still waiting for their turn are closed cleanly."""
+    seen, objs, real = [], [], E.EngineProcess._answer_one
+
+    def spy(self, k, what, expect="ok"):
+        value = real(self, k, what, expect)
+        objs[:] = [self]
+        seen.append((k, expect, len(self._procs), sum(p.is_alive() for p in self._procs)))
+        return value
+    monkeypatch.setattr(E.EngineProcess, "_answer_one", spy)
+    three = E.EngineProcess("hf", str(tiny_model_dir), replace(VLLMArgs(), num_engines=3), 64, 0, 0, [], None)
+    try:
+        assert [(k, e) for k, e, _, _ in seen] == [(0, "ready"), (0, "ok"), (1, "ready"), (1, "ok"), (2, "ready"),
+                                                     (2, "ok")]
+        assert all(n == 3 and alive == 3 for _, _, n, alive in seen)  # all three started before the first build
+        assert len(sample(three).response_ids) == 4
+    finally:
+        three.close()
+    seen.clear()
+    with pytest.raises(RuntimeError, match="(?s)failed in start.*Traceback"):
+        E.EngineProcess("hf", str(tmp_path / "no-such-model"), replace(VLLMArgs(), num_engines=2), 64, 0, 0, [], None)
+    failed = objs[0]
+    failed.close()
+    assert [p.exitcode for p in failed._procs] == [0, 0]  # the second never built: closed while waiting
+
+
 def test_several_engines_need_their_own_processes_and_a_batch_to_share():
     with pytest.raises(ValueError, match="num-engines 2 runs engines in processes of their own: add --vllm.own-process"):
         E.check_engine_args(replace(VLLMArgs(), num_engines=2))

@@ -114,8 +114,11 @@ poll)
   ;;
 stop)  # stop JOB...: SIGTERM the python worker(s) under the job (not torchrun: it SIGKILLs after 30 s), by pid
   shift; fetch
-  for job in "$@"; do for p in $(workers $job); do echo "SIGTERM $job $p: $(ps -o args= -p $p | cut -c1-100)"
-    kill -TERM $p; done; done
+  for job in "$@"; do w=$(workers $job)
+    for p in $w; do echo "SIGTERM $job $p: $(ps -o args= -p $p | cut -c1-100)"; kill -TERM $p; done
+    # no python worker found (or no .pgid): the job's whole process group (gpu_queue.py starts each in its own)
+    [ -z "$w" ] && [ -f $L/$job.pgid ] && echo "SIGTERM $job's group $(cat $L/$job.pgid)" && kill -TERM -- -$(cat $L/$job.pgid)
+  done
   end=$((SECONDS + ${STOP_WAIT:-45}))
   while [ $SECONDS -lt $end ] && [ "$(grep -c ' start ' $L/status)" -gt "$(grep -c ' end ' $L/status)" ]; do sleep 3; done
   summary; fetch

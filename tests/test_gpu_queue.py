@@ -31,7 +31,8 @@ def test_queue_runs_jobs_on_their_gpus_in_order(tmp_path):
     q.write_text("g0 0 sleep 0.3; echo $CUDA_VISIBLE_DEVICES\n"
                  "g1 1 echo $CUDA_VISIBLE_DEVICES; exit 3\n"
                  "both 0,1 echo $CUDA_VISIBLE_DEVICES\n"
-                 "lane k echo visible=$CUDA_VISIBLE_DEVICES\n")  # a lane label: the GPUs the queue itself sees
+                 "lane k echo visible=$CUDA_VISIBLE_DEVICES\n"  # a lane label: the GPUs the queue itself sees
+                 "pg 2 ps -o pgid= -p $$\n")
     env = {**os.environ, "QUEUE_LOGS": str(tmp_path / "logs"), "CUDA_VISIBLE_DEVICES": "0,1"}
     subprocess.run([sys.executable, str(ROOT / "dev" / "gpu_queue.py"), str(q)], env=env, check=True, timeout=60)
     logs = tmp_path / "logs"
@@ -42,6 +43,8 @@ def test_queue_runs_jobs_on_their_gpus_in_order(tmp_path):
     assert "end g1 rc=3" in status  # a failing job is recorded and does not stop the queue
     assert status.index("start both (gpu 0,1)") > max(status.index("end g0 rc=0"), status.index("end g1 rc=3"))
     assert status[-1] == "queue done" and (logs / "all.done").exists()
+    # the job's process group, which dev/gpu_qwen.sh's stop / dump read (session 17's stop found no file)
+    assert (logs / "pg.pgid").read_text().strip() == (logs / "pg.log").read_text().strip()
 
 
 def test_linger_starts_a_job_appended_after_the_queue_went_idle(tmp_path):

@@ -8,7 +8,8 @@ GPU unless its command pins one; `#` starts a comment). The file is
 read again before every launch, and every device call copies the working tree, so the queue can be edited in the
 middle of a session (reorder, add or delete lines that have not started) without touching running jobs. A job
 does not overtake an earlier waiting job that needs one of its GPUs, so a 2-GPU job is not starved by later
-1-GPU ones. Each job writes /tmp/logs/NAME.log (and NAME.pgid: its process group, for dev/gpu_qwen.sh stop / dump); starts and ends (with the exit code) go to /tmp/logs/status.
+1-GPU ones. Each job writes /tmp/logs/NAME.log (and NAME.pgid: its process group, for dev/gpu_qwen.sh stop / dump);
+starts and ends (with the exit code) go to /tmp/logs/status.
 `touch /tmp/logs/STOP` stops launching; the runner exits when nothing runs and nothing waits, or with
 QUEUE_LINGER=SECONDS it stays that long idle (touching /tmp/logs/all.done, so the driver's `poll` returns) and starts
 jobs appended meanwhile (session 12 appended one after the runner had exited: it never ran).

@@ -102,6 +102,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def _compiled(hidden) -> bool:
+    """The kernels run compiled on a GPU (not on CPU, not in Triton's interpreter): the GPU's tiles apply."""
+    return hidden.device.type == "cuda" and not _interpreting()
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure-torch fp32 reference
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +379,7 @@ def _pick(kind, hidden, weight, launch, tune):
     """Block config for this problem: the default, or (tune) the fastest candidate, timed once."""
     cfg = _configs(kind, hidden.dtype, hidden.device)
     (N, H), V = hidden.shape, weight.shape[0]
-    if (_interpreting() or hidden.device.type != "cuda" or hidden.dtype == torch.float32
+    if (not _compiled(hidden) or hidden.dtype == torch.float32
             or N * H * V < _TUNE_MIN_WORK or not tune):
         return cfg
     key = (kind, hidden.dtype, H, V, N.bit_length())
@@ -476,7 +481,7 @@ def _mm_fp32(a, b, out, accumulate=False):
 
 
 def _align(hidden) -> int:
-    return 128 if hidden.device.type == "cuda" and not _interpreting() else 16
+    return 128 if _compiled(hidden) else 16
 
 
 def _split(n: int, most: int, align: int) -> int:
@@ -504,7 +509,7 @@ def _fwd_tiles(N, V, budget, align):
 
 def _stream_cfg(hidden):
     """Tile of the memory-bound kernels: small in the interpreter (several column blocks per chunk)."""
-    if hidden.device.type != "cuda" or _interpreting():
+    if not _compiled(hidden):
         return dict(BLOCK_N=16, BLOCK_V=32, num_warps=4)
     return dict(BLOCK_N=16, BLOCK_V=512, num_warps=8)
 
@@ -694,7 +699,7 @@ def _loss_cfg(hidden):
     in the L2 cache). bench_logprob.py --loss-stream / --loss-vchunk time others. On CUDA: the fastest tiles of session
     17's sweep (H200, N 32768, H 3584, 2,048 MB: 4 x 2048, 8 warps, 4 programs per SM, fwd+bwd 183.5 ms against
     186.8-188.7 for the other five; docs/kernels.md)."""
-    if hidden.device.type != "cuda" or _interpreting():
+    if not _compiled(hidden):
         return dict(_stream_cfg(hidden), per_sm=2, vchunk=None)
     return dict(BLOCK_N=4, BLOCK_V=2048, num_warps=8, per_sm=4, vchunk=None)
 
@@ -749,7 +754,7 @@ def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, nee
     V = weight.shape[0]
     need_grad = need_dh or need_dw
     rows, sub = _loss_tiles(N, V, hidden.element_size(), workspace_bytes, _align(hidden),
-                            hidden_size=H if hidden.is_cuda and not _interpreting() else None)
+                            hidden_size=H if _compiled(hidden) else None)
     dh = torch.empty_like(hidden) if need_dh else None  # (N, H)
     dw = torch.empty_like(weight) if need_dw else None  # (V, H)
     logp = torch.empty(N, device=hidden.device, dtype=torch.float32)  # (N,)

@@ -232,6 +232,77 @@ def check(fn, h, w, t, g, temperature, ref, terminal=False):
             "norm {:.1e}".format(*errs))
 
 
+def fwd_bwd_ms(fn, h, w, t, g, temperature, rep, terminal):
+    from triton.testing import do_bench
+
+    def fwd_bwd():
+        outs = fn(h, w, t, temperature)
+        (outs[0] if terminal else sum((o * gi).sum() for o, gi in zip(outs, g))).backward()
+
+    ms = do_bench(fwd_bwd, warmup=50, rep=rep, grad_to_none=[h, w], return_mode="median")
+    h.grad = w.grad = None
+    return ms
+
+
+def profile_step(r, h, w, t, g, temperature, full):
+    """torch.profiler of one fwd+bwd of row r: (full) its top kernels and GEMM shapes, every GPU kernel's total, and
+    the timeline's idle gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        outs = r["fn"](h, w, t, temperature)
+        (outs[0] if r["terminal"] else sum((o * gi).sum() for o, gi in zip(outs, g))).backward()
+        h.grad = w.grad = None
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    if full:
+        print(f"profile of {r['name']}, one fwd+bwd, by kernel:")
+        print(ka.table(sort_by="cuda_time_total", row_limit=12))
+        print("by op and input shapes (GEMMs: logits, dh, dW):")
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="cuda_time_total", row_limit=12, max_shapes_column_width=60))
+    try:  # every GPU kernel, small ones included: what separates the kernels' sum from the wall time
+        kern = sorted((e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")),
+                      key=lambda e: -e.self_device_time_total)
+        print(f"{r['name']}: GPU kernels: {len(kern)} names, {sum(e.self_device_time_total for e in kern) / 1e3:.2f} "
+              f"ms in all (fwd+bwd wall {r['fwd_bwd_ms']:.2f} ms):")
+        for e in kern[:40 if full else 12]:
+            print(f"  {e.self_device_time_total / 1e3:9.3f} ms  {e.count:5d} calls  {e.key[:90]}")
+    except Exception as e:  # noqa: BLE001 - a profiler API change must not lose the bench's numbers
+        print(f"kernel list unavailable: {e!r}")
+    try:
+        print(f"{r['name']}: {timeline(prof.events())}")
+    except Exception as e:  # noqa: BLE001
+        print(f"timeline unavailable: {e!r}")
+
+
+def timeline(events, top=8):
+    """The profiled step's GPU timeline: span from the first kernel's start to the last one's end, the time some kernel
+    ran (union of their intervals), the idle rest, and the longest idle gaps with the kernels on either side."""
+    kern = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start))
+    if not kern:
+        return "timeline: no GPU kernels recorded"
+    busy, gaps, end, prev = 0.0, [], kern[0][0], kern[0][2]
+    for s, e, name in kern:
+        if s > end:
+            gaps.append((s - end, prev, name))
+        if e > end:
+            busy += e - max(s, end)
+            end, prev = e, name
+    span = end - kern[0][0]
+    gaps.sort(reverse=True)
+    lines = [f"timeline: span {span / 1e3:.2f} ms, kernels busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
+             f"in {len(gaps)} gaps ({sum(g[0] for g in gaps if g[0] >= 20) / 1e3:.2f} ms in gaps >= 20 us)"]
+    lines += [f"  gap {g / 1e3:8.3f} ms after {a[:50]} before {b[:50]}" for g, a, b in gaps[:top]]
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--N", type=int, default=32768, help="tokens")
@@ -250,7 +321,9 @@ def main():
                    "variants' stats and dlogits kernels, one row each (default: 16x512x8x2)")
     p.add_argument("--rep", type=int, default=500, help="do_bench repetition time (ms)")
     p.add_argument("--skip", default="", help="comma-separated: naive,liger,matmul,check")
-    p.add_argument("--profile", action="store_true", help="torch.profiler of the fastest of ours")
+    p.add_argument("--profile", action="store_true", help="torch.profiler of the fastest of ours (and Liger's)")
+    p.add_argument("--repeat", type=int, default=0, help="then time the fastest of ours and Liger alternately, this "
+                   "many pairs")
     args = p.parse_args()
     t_start = time.time()
     dtype = getattr(torch, args.dtype)
@@ -347,6 +420,7 @@ def main():
         liger = make_liger()
         if liger is not None:
             report(bench("liger", liger, h, w, t, g[:1], args.temperature, args.rep))
+            rows[-1].update(fn=liger, terminal=False)
     if "naive" not in skip:
         report(bench("naive", naive, h, w, t, g, args.temperature, args.rep))
 
@@ -374,37 +448,20 @@ def main():
                   f"{3 * flops / mm['fwd_bwd_ms'] / 1e9:.0f} TFLOP/s; recompute bound 4/3 = "
                   f"{4 / 3 * mm['fwd_bwd_ms']:.1f} ms")
 
+    liger_row = by.get("liger")
+    if args.repeat and mine and liger_row:  # ours and Liger alternately: a margin larger than the call's drift
+        times = {best["name"]: [], "liger": []}
+        for _ in range(args.repeat):
+            for r, g_r in ((best, (torch.ones((), device="cuda"),) if best["terminal"] else g), (liger_row, g[:1])):
+                times[r["name"]].append(fwd_bwd_ms(r["fn"], h, w, t, g_r, args.temperature, args.rep, r["terminal"]))
+        for name, ms in times.items():
+            print(f"repeat {name}: fwd+bwd median {sorted(ms)[len(ms) // 2]:.2f} ms of {' '.join(f'{x:.2f}' for x in ms)}")
+        wins = sum(a < b for a, b in zip(*times.values()))
+        print(f"repeat: {best['name']} faster than liger in {wins} of {args.repeat} alternating pairs")
+
     if args.profile and mine:
-        from torch.profiler import ProfilerActivity, profile
-
-        fn = best["fn"]
-
-        def step():
-            outs = fn(h, w, t, args.temperature)
-            (outs[0] if best["terminal"] else (outs[0] * g[0] + outs[1] * g[1]).sum()).backward()
-            h.grad = w.grad = None
-
-        step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                     record_shapes=True) as prof:
-            step()
-            torch.cuda.synchronize()
-        ka = prof.key_averages()
-        print(f"profile of {best['name']}, one fwd+bwd, by kernel:")
-        print(ka.table(sort_by="cuda_time_total", row_limit=12))
-        print("by op and input shapes (GEMMs: logits, dh, dW):")
-        print(prof.key_averages(group_by_input_shape=True).table(
-            sort_by="cuda_time_total", row_limit=12, max_shapes_column_width=60))
-        try:  # every GPU kernel, small ones included: what separates the kernels' sum from the wall time
-            kern = sorted((e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")),
-                          key=lambda e: -e.self_device_time_total)
-            print(f"GPU kernels: {len(kern)} names, {sum(e.self_device_time_total for e in kern) / 1e3:.2f} ms in all "
-                  f"(fwd+bwd wall {best['fwd_bwd_ms']:.2f} ms):")
-            for e in kern[:40]:
-                print(f"  {e.self_device_time_total / 1e3:9.3f} ms  {e.count:5d} calls  {e.key[:90]}")
-        except Exception as e:  # noqa: BLE001 - a profiler API change must not lose the bench's numbers
-            print(f"kernel list unavailable: {e!r}")
+        for r in [best] + ([liger_row] if liger_row else []):
+            profile_step(r, h, w, t, g, args.temperature, full=r is best)
     print(f"bench done in {time.time() - t_start:.0f} s", flush=True)
 
 

@@ -6,6 +6,7 @@ large shapes on CUDA.
 """
 
 import importlib
+import types
 import inspect
 import os
 
@@ -179,6 +180,22 @@ def test_bench_sweep_settings_reach_the_kernel(monkeypatch):
     for name, x, y in zip(("loss", "logp", "entropy"), got, want):
         assert_close(name, x, y, 1e-5, 1e-5 * 40 if name == "loss" else 1e-5)
     assert lp._loss_cfg(hidden)["vchunk"] is None and lp._loss_cfg(hidden)["per_sm"] == 2  # restored
+
+
+def test_bench_timeline_finds_the_idle_gaps():
+    # bench_logprob.py --profile's timeline: overlapping kernels count once, the gaps between them are idle time,
+    # listed longest first with the kernels on either side; CPU events are not kernels.
+    bench = importlib.import_module("bench.bench_logprob")
+    ev = lambda name, s, e, dev="DeviceType.CUDA": types.SimpleNamespace(  # noqa: E731
+        name=name, device_type=dev, time_range=types.SimpleNamespace(start=s, end=e))
+    events = [ev("gemm", 0, 800), ev("stats", 850, 950), ev("tiny", 900, 960), ev("host op", 0, 5000, "DeviceType.CPU"),
+              ev("dlogits", 1960, 2060)]
+    out = bench.timeline(events)
+    assert out.splitlines()[0].startswith("timeline: span 2.06 ms, kernels busy 1.01 ms, idle 1.05 ms in 2 gaps")
+    assert "(1.05 ms in gaps >= 20 us)" in out
+    assert out.splitlines()[1].split() == ["gap", "1.000", "ms", "after", "tiny", "before", "dlogits"]
+    assert out.splitlines()[2].split()[:6] == ["gap", "0.050", "ms", "after", "gemm", "before"]
+    assert bench.timeline([ev("host op", 0, 5, "DeviceType.CPU")]) == "timeline: no GPU kernels recorded"
 
 
 @needs_triton

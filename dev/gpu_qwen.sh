@@ -80,8 +80,7 @@ site0)
 cd $S; export PYTHONPATH=/tmp/peers:$S
 python3 -m pip install -q --no-index --no-deps --target /tmp/peers /tmp/assets/whl/*.whl
 echo "\$(date +%T) start k29-bench" >> $L/status
-python3 bench/bench_logprob.py --variants loss --budgets-mb 2048 --loss-sub 512 --loss-stream 4x2048x8x4,4x2048x4x4 --skip naive --profile --repeat 5 > $L/k29-bench.log 2>&1
-python3 bench/bench_logprob.py --N 16384 --H 896 --V 151936 --variants cublas,loss,loss-grpo --budgets-mb 1536 --loss-stream 4x2048x8x4,16x512x8x2 --skip naive,check >> $L/k29-bench.log 2>&1
+python3 bench/bench_logprob.py --variants loss --budgets-mb 2048 --loss-sub 512 --skip naive --profile --repeat 5 > $L/k29-bench.log 2>&1
 echo "\$(date +%T) end k29-bench rc=\$?" >> $L/status
 touch /tmp/bench.done
 EOF

@@ -302,6 +302,39 @@ def test_grpo_policy_loss(loss_agg, dtype, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_scale_pass(dtype):
+    scale_check("cpu", dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_scale_pass_gpu(dtype):
+    scale_check("cuda", dtype)
+
+
+def scale_check(dev, dtype):
+    # token_loss's backward scales dh and dW by the upstream gradient in place with a Triton pass (torch's mul_ by a
+    # 0-dim fp32 tensor is slow for bf16 on the GPU): products in fp32, rounded once (to nearest on the GPU: exactly
+    # torch's product; Triton's interpreter truncates: within one bf16 step), a length not a multiple of the block.
+    if dev == "cpu" and not lp._interpreting():
+        pytest.skip("a GPU machine compiles the kernels: the GPU test runs the pass")
+    x = torch.randn(100_000 + 7, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
+    g = torch.tensor(-2.75, device=dev)
+    want = (x.float() * g).to(dtype)
+    y = x.clone()
+    lp._scale_(y, g)
+    exact = dtype == torch.float32 or (dev == "cuda" and not lp._interpreting())
+    torch.testing.assert_close(y, want, atol=0, rtol=0 if exact else 2**-7)
+    assert (y != x).float().mean() > 0.99  # every element was scaled, the tail included
+    z = y.clone()
+    lp._scale_(z, torch.tensor(1.0, device=dev))
+    assert torch.equal(z, y)
+
+
+@needs_triton
 def test_grad_modes():
     # No gradient wanted (no_grad, or inputs without requires_grad): the loss alone, no dlogits. Only hidden or only
     # weight: that gradient alone. A second backward through one call is refused.

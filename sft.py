@@ -137,9 +137,9 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """where to train"""
     logprob_impl: Literal["auto", "fused", "torch"] = "auto"
     """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
-    fused_loss: bool = False
+    fused_loss: bool = True
     """the NLL's gradient inside the LM head's forward (kernels.token_loss: 3 GEMMs, not 4) when the fused kernel runs
-    (--logprob-impl); off by default: slower at a 0.5B model's head with the 320 MB workspace (docs/kernels.md)"""
+    (--logprob-impl; on a GPU with Triton); --no-fused-loss: token_logprobs, then the loss (docs/kernels.md)"""
     attn_impl: str = "varlen"
     """trainer attention: varlen (packed rows, common/attention.py), or sdpa / eager"""
     token_accuracy: bool = True

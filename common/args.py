@@ -196,10 +196,11 @@ class RLArgs(RunArgs):
     """where to train"""
     logprob_impl: Literal["auto", "fused", "torch"] = "auto"
     """trainer log-probs: fused Triton kernel, or the fp32 torch reference (auto: fused on GPU)"""
-    fused_loss: bool = False
+    fused_loss: bool = True
     """the policy loss's gradient inside the LM head's forward (kernels.token_loss: 3 GEMMs, not 4) when the fused
-    kernel runs (--logprob-impl) and the loss is elementwise per token (grpo.py: not with --ratio-level sequence);
-    off by default: host-bound at a 0.5B model's head, 2.2x slower there (docs/kernels.md)"""
+    kernel runs (--logprob-impl; on a GPU with Triton) and the loss is elementwise per token (grpo.py: not with
+    --ratio-level sequence); W05's update 1.04x faster with it, a 7B head's loss+backward 1.12x the bare matmuls
+    (docs/kernels.md); --no-fused-loss: token_logprobs, then the loss"""
     attn_impl: str = "varlen"
     """trainer attention: varlen (packed rows, no T x T mask: flash-attn or torch varlen_attn on GPU, per-sequence
     sdpa on CPU; common/attention.py), or sdpa / eager"""

@@ -6,6 +6,7 @@ only function that reaches into the model vLLM holds: it is what breaks on a vLL
 The pure helpers above the class (memory budget, bucketing, output conversion, seeds, layout) are unit-tested
 on CPU in tests/test_vllm_engine.py.
 """
+import contextlib
 import gc
 import json
 import os
@@ -60,8 +61,9 @@ class VLLMArgs:
     """dtype vLLM computes in (bfloat16 | float16 | float32); refit tensors are cast to it"""
     seed_requests: bool = True
     """give every request its own seed (derived from the step seed, the replica and the prompt index) so a
-    rollout is reproducible whatever the batching; False: draw from the engine's RNG, seeded once with
-    --seed + replica index (vLLM's V1 sampler loops over seeded requests: try False if sampling is slow)"""
+    rollout is reproducible whatever the batching; False: one draw stream per generate call (the device's generator
+    seeded from the step seed, replica and share), reproducible for the same batching and after a resume, without
+    vLLM's sampler drawing seeded requests' noise one request at a time (one host call each per decode step)"""
     refit_bucket_mb: int = 512
     """load_weights hands vLLM the weights in buckets of at most this many MiB (in the engine dtype)"""
     cpu_bind: bool = False
@@ -226,6 +228,35 @@ def request_seeds(seed: int, dp_rank: int, num_requests: int, n: int, first: int
         raise ValueError(f"request_seeds: {first} + {num_requests} x {n} samples or replica {dp_rank} out of range")
     base = ((seed % 2**30) * 2**12 + dp_rank) * 2**20  # < 2**62: fits vLLM's int64 seeds
     return [base + i * n for i in range(first, first + num_requests)]
+
+
+def mix64(x: int) -> int:
+    """x scrambled (splitmix64's finaliser) into [0, 2**63): request_seeds' values differ in their high bits, and a
+    CPU generator keeps only a seed's low 32."""
+    m = 2**64 - 1
+    z = (x + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return (z ^ (z >> 31)) >> 1
+
+
+@contextlib.contextmanager
+def draws_from(seed: int | None, device: torch.device):
+    """vLLM samples requests without a seed of their own from the device's default generator (one noise tensor per
+    decode step): seeded here (None: left as it is), so one generate call's draws depend on its seed and the
+    batching only, not on what drew before (the trainer in the same process, earlier steps, a resume). The caller's
+    stream is restored after."""
+    if seed is None:
+        yield
+        return
+    gen = (torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+           if device.type == "cuda" else torch.default_generator)
+    state = gen.get_state()
+    gen.manual_seed(seed)
+    try:
+        yield
+    finally:
+        gen.set_state(state)
 
 
 def tp_layout(rank: int, world_size: int, tp: int, local_world_size: int | None = None,
@@ -444,6 +475,8 @@ class VLLMEngine:
         per_request = 1 if greedy else n
         seeds = (request_seeds(seed, self.dp_rank, len(requests), per_request, first_request)
                  if self.args.seed_requests and not greedy else [None] * len(requests))
+        per_call = not (self.args.seed_requests or greedy)  # --vllm.no-seed-requests: one stream for the call
+        stream = mix64(request_seeds(seed, self.dp_rank, 1, n, first_request)[0]) if per_call else None
         params = [SamplingParams(
             n=per_request, temperature=temperature, top_p=1.0 if greedy else top_p,
             top_k=0 if greedy or top_k <= 0 else top_k,  # 0 (or -1) = off in vLLM
@@ -455,8 +488,9 @@ class VLLMEngine:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params,
-                                        use_tqdm=False) if requests else []  # a rank with no prompts
+            with draws_from(stream, self.device):
+                outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params,
+                                            use_tqdm=False) if requests else []  # a rank with no prompts
             rollout = to_rollout(outputs)
             del outputs
         finally:

@@ -243,6 +243,46 @@ def test_level_2_sleeps_and_refuses_to_generate_until_woken_and_refitted(monkeyp
                                 ("reset_prefix_cache",), ("generate", 1)]
 
 
+class _DrawingLLM(_FakeLLM):
+    """generate draws each request's token from the default generator (as vLLM's sampler draws the noise of requests
+    without a seed of their own) and records whether the request carried a seed."""
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append(("seeds", [p["seed"] for p in params]))
+        one = lambda: dict(index=0, token_ids=[int(torch.randint(1000, (1,)))], finish_reason="length", logprobs=None)
+        return [SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[SimpleNamespace(**one())])
+                for p in prompts]
+
+
+def test_no_seed_requests_draws_one_stream_per_call_from_the_step_seed(monkeypatch):
+    # --vllm.no-seed-requests: no per-request seeds (vLLM's sampler would draw their noise one request at a time);
+    # instead the device's generator is seeded from the call's seed, replica and share for the call, so the same
+    # step draws the same tokens whatever drew before it, and the caller's own stream continues as if untouched.
+    engine = _fake_engine(monkeypatch, level=0)
+    engine.args.seed_requests, engine.llm = False, _DrawingLLM()
+    gen = lambda seed, first=0: engine.generate([[1, 2], [3]], n=1, temperature=1.0, top_p=1.0, top_k=0,
+                                                max_new_tokens=1, seed=seed, first_request=first).response_ids
+    torch.manual_seed(0)
+    a = gen(5)
+    torch.rand(100)  # the trainer draws in between
+    assert gen(5) == a  # reproducible per step (a resumed run redraws step 5 the same)
+    assert gen(6) != a and gen(5, first=2) != a  # another step, another share of the batch: another stream
+    assert engine.llm.calls[0] == ("seeds", [None, None])  # no request carries a seed
+    torch.manual_seed(1)
+    gen(5)
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    assert torch.equal(torch.rand(3), after)  # the caller's stream restored
+    engine.args.seed_requests = True  # per-request seeds: the default generator is left alone
+    torch.manual_seed(2)
+    gen(5)
+    assert engine.llm.calls[-1][0] == "seeds" and None not in engine.llm.calls[-1][1]
+    after = torch.rand(3)
+    torch.manual_seed(2)
+    torch.randint(1000, (2,))  # what the two requests drew
+    assert torch.equal(torch.rand(3), after)
+
+
 # ---- KV cache sizing ---------------------------------------------------------------------------------------------
 
 def test_kv_cache_bytes_equals_what_transformers_caches():
@@ -514,6 +554,14 @@ def test_logprobs_shape_and_sign(engine_and_model):
     again = engine.generate(_prompts(3), n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=1)
     if engine.args.seed_requests:
         assert again.response_ids == r.response_ids  # per-request seeds make sampling reproducible
+    engine.args.seed_requests = False  # --vllm.no-seed-requests: one stream per call, seeded from the call's seed
+    try:
+        one = engine.generate(_prompts(3), n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=2)
+        torch.rand(1000, device="cuda")  # the trainer draws in between
+        two = engine.generate(_prompts(3), n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=NEW, seed=2)
+        assert one.response_ids == two.response_ids
+    finally:
+        engine.args.seed_requests = True
 
 
 @pytest.mark.gpu

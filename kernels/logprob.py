@@ -822,7 +822,7 @@ def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, nee
 def _scale_(x, g):
     """x *= g (a 0-dim tensor) in place. On the GPU a Triton pass: torch's mul_ of a bf16 tensor by an fp32 0-dim
     one takes its slow (unvectorised) path, 3.1 ms for dh and dW at the bench's shape (session 18's profile)."""
-    if HAS_TRITON and x.is_contiguous() and g.numel() == 1 and (x.is_cuda or _interpreting()):
+    if HAS_TRITON and x.numel() and x.is_contiguous() and g.numel() == 1 and (x.is_cuda or _interpreting()):
         n = x.numel()
         block = 8192 if _compiled(x) else 64
         _scale_kernel[(triton.cdiv(n, block),)](x, g.reshape(()).float(), n, BLOCK=block, num_warps=8)

@@ -212,6 +212,23 @@ def default_attn() -> str:
     return "varlen" if any(f.exists() and "register_varlen_attention" in f.read_text() for f in files) else "sdpa"
 
 
+def grpo_cmd(a: argparse.Namespace, py: str, n: int, attn: str, fl: str | None, model: Path, prompts: Path,
+             out: Path, name: str) -> list[str]:
+    """The torchrun command of one grpo sub-run: W05's shapes, then --grpo-extra, then the bench's own overrides."""
+    return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", a.script,
+            "--model", str(model), "--dataset", str(prompts), "--no-chat-template", "--instruction", "",
+            "--max-prompt-tokens", str(W05["prompt_tokens"]), "--max-new-tokens", str(W05["new_tokens"]),
+            "--ignore-eos", "--prompts-per-step", str(a.prompts_per_step),
+            "--group-size", str(W05["group_size"]), "--kl-coef", str(W05["kl_coef"]),
+            "--temperature", "1.0", "--lr", "1e-6",  # as TRL's and verl's runs (timing-neutral: ignore_eos)
+            "--num-steps", str(a.num_steps), "--eval-every", "0", "--log-samples-every", "0",
+            "--rollout", "vllm", "--reward-fn", "bench.w05:reward", "--attn-impl", attn,
+            "--vllm.max-num-seqs", "512", "--vllm.gpu-memory-utilization", str(a.gpu_memory_utilization),
+            "--out-dir", str(out), "--exp-name", name] + a.grpo_extra.split() \
+        + (["--max-tokens-per-microbatch", str(a.max_tokens_per_microbatch)] if a.max_tokens_per_microbatch else []) \
+        + {None: [], "on": ["--fused-loss"], "off": ["--no-fused-loss"]}[fl]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer-tar", default=str(ROOT / ".bench" / "qwen2.5-tokenizer.tar.xz"))
@@ -224,6 +241,8 @@ def main():
     ap.add_argument("--attn-impl", default=None, help="grpo --attn-impl, a list runs each (default: varlen if "
                     "grpo.py registers it, else sdpa)")
     ap.add_argument("--num-steps", type=int, default=4)
+    ap.add_argument("--prompts-per-step", type=int, default=W05["prompts_per_step"],
+                    help="grpo prompts per step, over all ranks (W05: 64; issue 28's W7B-8: 256 on 8 GPUs)")
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
                     help="grpo --max-tokens-per-microbatch (default: none passed, grpo.py's auto budget)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of each GPU")
@@ -281,19 +300,7 @@ def main():
                 name = f"{'async' if a.script == 'grpo_async.py' else 'grpo'}-{attn}-{n}gpu" \
                     + {None: "", "on": "-fused", "off": "-unfused"}[fl] \
                     + (f"-r{k}" if a.rounds > 1 else "")
-                cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", a.script,
-                       "--model", str(model), "--dataset", str(prompts), "--no-chat-template", "--instruction", "",
-                       "--max-prompt-tokens", str(W05["prompt_tokens"]), "--max-new-tokens", str(W05["new_tokens"]),
-                       "--ignore-eos", "--prompts-per-step", str(W05["prompts_per_step"]),
-                       "--group-size", str(W05["group_size"]), "--kl-coef", str(W05["kl_coef"]),
-                       "--temperature", "1.0", "--lr", "1e-6",  # as TRL's and verl's runs (timing-neutral: ignore_eos)
-                       "--num-steps", str(a.num_steps), "--eval-every", "0", "--log-samples-every", "0",
-                       "--rollout", "vllm", "--reward-fn", "bench.w05:reward", "--attn-impl", attn,
-                       "--vllm.max-num-seqs", "512", "--vllm.gpu-memory-utilization", str(a.gpu_memory_utilization),
-                       "--out-dir", str(out), "--exp-name", name] + a.grpo_extra.split() \
-                    + (["--max-tokens-per-microbatch", str(a.max_tokens_per_microbatch)]
-                       if a.max_tokens_per_microbatch else []) \
-                    + {None: [], "on": ["--fused-loss"], "off": ["--no-fused-loss"]}[fl]
+                cmd = grpo_cmd(a, py, n, attn, fl, model, prompts, out, name)
                 r = run_sub(name, cmd, out, a.timeout)
                 r |= {"kind": "grpo", "script": a.script, "nproc": n, "attn": attn, "round": k, "fused_loss": fl,
                       **grpo_summary(out / name / "metrics.jsonl")}

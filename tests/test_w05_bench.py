@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from bench.w05 import fused_loss_lines, fused_variants, grpo_summary, pool_lines, scaling_lines
+from bench.w05 import fused_loss_lines, fused_variants, grpo_cmd, grpo_summary, pool_lines, scaling_lines
 
 
 def test_grpo_summary_drops_step_zero_and_the_profiled_step(tmp_path):
@@ -94,3 +94,20 @@ def test_fused_variants_default_is_one_run_with_grpo_defaults():
     assert fused_variants("off,on") == ["off", "on"]
     with pytest.raises(ValueError, match="give on, off or both"):
         fused_variants("yes")
+
+
+def test_grpo_cmd_takes_the_prompts_per_step_and_puts_the_bench_flags_last(tmp_path):
+    """Issue 28's W7B-8 runs 256 prompts a step on 8 GPUs; --grpo-extra comes after W05's flags (tyro: last wins)."""
+    import argparse
+    a = argparse.Namespace(script="grpo.py", prompts_per_step=256, num_steps=3, gpu_memory_utilization=0.3,
+                           grpo_extra="--fsdp.activation-checkpointing --vllm.tensor-parallel-size 2",
+                           max_tokens_per_microbatch=8192)
+    cmd = grpo_cmd(a, "py", 8, "varlen", "off", tmp_path / "m", tmp_path / "p.jsonl", tmp_path, "grpo-8gpu")
+    assert cmd[:5] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
+    assert cmd[cmd.index("--prompts-per-step") + 1] == "256" and cmd[cmd.index("--num-steps") + 1] == "3"
+    assert cmd[-6:] == ["--fsdp.activation-checkpointing", "--vllm.tensor-parallel-size", "2",
+                        "--max-tokens-per-microbatch", "8192", "--no-fused-loss"]
+    a.prompts_per_step, a.grpo_extra, a.max_tokens_per_microbatch = 64, "", None
+    cmd = grpo_cmd(a, "py", 1, "sdpa", None, tmp_path / "m", tmp_path / "p.jsonl", tmp_path, "grpo-1gpu")
+    assert cmd[cmd.index("--prompts-per-step") + 1] == "64" and cmd[-2:] == ["--exp-name", "grpo-1gpu"]
+

@@ -110,4 +110,3 @@ def test_grpo_cmd_takes_the_prompts_per_step_and_puts_the_bench_flags_last(tmp_p
     a.prompts_per_step, a.grpo_extra, a.max_tokens_per_microbatch = 64, "", None
     cmd = grpo_cmd(a, "py", 1, "sdpa", None, tmp_path / "m", tmp_path / "p.jsonl", tmp_path, "grpo-1gpu")
     assert cmd[cmd.index("--prompts-per-step") + 1] == "64" and cmd[-2:] == ["--exp-name", "grpo-1gpu"]
-

@@ -229,6 +229,13 @@ def grpo_cmd(a: argparse.Namespace, py: str, n: int, attn: str, fl: str | None, 
         + {None: [], "on": ["--fused-loss"], "off": ["--no-fused-loss"]}[fl]
 
 
+def verl_cmd(a: argparse.Namespace, py: str, model: Path, prompts: Path, out: Path) -> list[str]:
+    """The command of the verl sub-run (bench/verl_w05.py): W05's shapes there, then --verl-extra's hydra overrides."""
+    return [py, "bench/verl_w05.py", "--model", str(model), "--prompts", str(prompts), "--steps", str(a.num_steps),
+            "--out", str(out / "verl-1gpu"), "--timeout", str(a.timeout - 20)] \
+        + (["--site", a.verl_site] if a.verl_site else []) + (["--extra", a.verl_extra] if a.verl_extra else [])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer-tar", default=str(ROOT / ".bench" / "qwen2.5-tokenizer.tar.xz"))
@@ -256,6 +263,8 @@ def main():
     ap.add_argument("--trl", action="store_true", help="also run bench/trl_w05.py")
     ap.add_argument("--verl", action="store_true", help="also run bench/verl_w05.py (1 GPU; verl 0.9.1)")
     ap.add_argument("--verl-site", default=None, help="unpacked dev/verl-bundle.txt (bench/verl_w05.py --site)")
+    ap.add_argument("--verl-extra", default="", help="more hydra overrides for verl, space-separated (bench/verl_w05.py "
+                                                      "--extra; last wins), e.g. actor_rollout_ref.model.use_fused_kernels=True")
     ap.add_argument("--trl-micro-batch", type=int, default=None, help="TRL per-device batch (default 32; 7b: 4)")
     ap.add_argument("--timeout", type=int, default=560, help="seconds per sub-run")
     ap.add_argument("--work-dir", default="/tmp/w05", help="model folder, tokenizer and prompts (reused)")
@@ -330,10 +339,7 @@ def main():
             results["runs"].append(r)
 
     if "verl" in todo:
-        r = run_sub("verl-1gpu", [py, "bench/verl_w05.py", "--model", str(model), "--prompts", str(prompts),
-                                  "--steps", str(a.num_steps), "--out", str(out / "verl-1gpu"),
-                                  "--timeout", str(a.timeout - 20)]
-                    + (["--site", a.verl_site] if a.verl_site else []), out, a.timeout)
+        r = run_sub("verl-1gpu", verl_cmd(a, py, model, prompts, out), out, a.timeout)
         results["runs"].append(r | {"kind": "verl", "nproc": 1, **(grep_json(r["tail"], "VERL_W05") or {})})
 
     report(results, out)

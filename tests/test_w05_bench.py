@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from bench.w05 import fused_loss_lines, fused_variants, grpo_cmd, grpo_summary, pool_lines, scaling_lines
+from bench.w05 import fused_loss_lines, fused_variants, grpo_cmd, grpo_summary, pool_lines, scaling_lines, verl_cmd
 
 
 def test_grpo_summary_drops_step_zero_and_the_profiled_step(tmp_path):
@@ -110,3 +110,17 @@ def test_grpo_cmd_takes_the_prompts_per_step_and_puts_the_bench_flags_last(tmp_p
     a.prompts_per_step, a.grpo_extra, a.max_tokens_per_microbatch = 64, "", None
     cmd = grpo_cmd(a, "py", 1, "sdpa", None, tmp_path / "m", tmp_path / "p.jsonl", tmp_path, "grpo-1gpu")
     assert cmd[cmd.index("--prompts-per-step") + 1] == "64" and cmd[-2:] == ["--exp-name", "grpo-1gpu"]
+
+
+def test_verl_cmd_passes_the_site_and_the_extra_overrides_as_one_argument(tmp_path):
+    """--verl-extra reaches bench/verl_w05.py --extra as one string (it splits them); none: no --extra at all."""
+    import argparse
+    a = argparse.Namespace(num_steps=4, timeout=590, verl_site="/tmp/verl-site",
+                           verl_extra="actor_rollout_ref.model.use_fused_kernels=True a.b=1")
+    cmd = verl_cmd(a, "py", tmp_path / "m", tmp_path / "p.jsonl", tmp_path)
+    assert cmd[:2] == ["py", "bench/verl_w05.py"] and cmd[cmd.index("--steps") + 1] == "4"
+    assert cmd[cmd.index("--timeout") + 1] == "570" and cmd[cmd.index("--out") + 1] == str(tmp_path / "verl-1gpu")
+    assert cmd[-4:] == ["--site", "/tmp/verl-site", "--extra", "actor_rollout_ref.model.use_fused_kernels=True a.b=1"]
+    a.verl_site, a.verl_extra = None, ""
+    cmd = verl_cmd(a, "py", tmp_path / "m", tmp_path / "p.jsonl", tmp_path)
+    assert "--extra" not in cmd and "--site" not in cmd

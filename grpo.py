@@ -131,9 +131,9 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     """token budget of one no-grad packed forward (reference, old log-probs: no backward, more fits); 0: 4x the above"""
     # ---- profiling ---------------------------------------------------------------------------------------
     profile_step: int = -1
-    """profile this step with torch.profiler: the generate phase (top kernels to <run>/profile_step<k>_generate.txt)
-    and the learning phases (reference / old log-probs, update: <run>/profile_step<k>.txt, Chrome trace beside
-    it); the tables are printed too (-1: off)"""
+    """profile this step with torch.profiler: the generate phase (top kernels to <run>/profile_step<k>_generate.txt;
+    an own-process engine's in ..._generate_engine.txt) and the learning phases (reference / old log-probs, update:
+    <run>/profile_step<k>.txt, Chrome trace beside it); the tables are printed too (-1: off)"""
 
     @property
     def sequences_per_step(self) -> int:
@@ -406,7 +406,7 @@ def main(args: Args) -> None:
             if parts:  # a re-sampling round: wake the engine (same weights, no refit)
                 sync_engine(engine, policy, False, plan.keep_gathered, perf)
             prof = Profile(step == args.profile_step and not parts, run_dir / f"profile_step{step}_generate",
-                           trace=False, python=True)  # generation is host-bound: where vLLM's Python time goes
+                           trace=False, python=True, engine=engine)  # host-bound: where vLLM's Python time goes
             examples = sampler.next_batch()
             show_phase(progress, step, f"generating {args.prompts_per_step} prompts x {G} samples")
             rollout = generate(engine, examples, G, args.temperature, args.seed * 100003 + step * d.world_size + d.rank

@@ -124,8 +124,8 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     """token budget of one no-grad packed forward (reference, old log-probs: no backward, more fits); 0: 4x the above"""
     # ---- profiling ---------------------------------------------------------------------------------------
     profile_step: int = -1
-    """profile this step with torch.profiler: the generate phase (<run>/profile_step<k>_generate.txt) and the learning
-    phases (reference / old log-probs, update: <run>/profile_step<k>.txt, Chrome trace beside it); -1: off"""
+    """profile this step with torch.profiler: generate (<run>/profile_step<k>_generate.txt; the engine's own process:
+    ..._generate_engine.txt, step k+1's beside step k's learning) and learning (<run>/profile_step<k>.txt); -1: off"""
 
     @property
     def sequences_per_step(self) -> int:
@@ -420,7 +420,7 @@ def main(args: Args) -> None:
             if parts:  # a re-sampling round: wake the engine (same weights, no refit)
                 sync_engine(engine, policy, False, plan.keep_gathered, perf)
             prof = Profile(step == args.profile_step and not parts, run_dir / f"profile_step{step}_generate",
-                           trace=False, python=True)  # generation is host-bound: where vLLM's Python time goes
+                           trace=False, python=True, engine=engine)  # host-bound: where vLLM's Python time goes
             if stale := pending is not None:  # --async-rollout: made during the last step's update, one refit behind
                 examples, rollout, pending = next_examples, pending.result(), None
                 perf.update(gen_perf)  # its generate_s ran during the last step, which waited wait_rollout_s of it

@@ -102,6 +102,7 @@ def _serve(conn, gpu: int | None, make_args: tuple) -> None:
     except BaseException:  # noqa: BLE001 - the parent raises it with the child's traceback
         conn.send(("error", traceback.format_exc(), {}))
         return
+    profile = None  # EngineProcess.profile_next: the path of the next generate's kernel table
     while True:
         method, args, kwargs = conn.recv()
         if method == "close":
@@ -111,6 +112,15 @@ def _serve(conn, gpu: int | None, make_args: tuple) -> None:
                 value = args[0].tolist()
             elif method == "load_weights":  # the buckets follow on the pipe (EngineProcess.load_weights)
                 value = engine.load_weights(_pull_buckets(conn))
+            elif method == "profile_next":
+                profile, value = args[0], None
+            elif method == "generate" and profile is not None:
+                from common.tracking import Profile
+                prof, profile = Profile(True, profile, trace=False), None
+                try:
+                    value = engine.generate(*args, **kwargs)
+                finally:
+                    prof.stop(True)
             else:
                 value = getattr(engine, method)(*args, **kwargs)
             conn.send(("ok", value, {k: getattr(engine, k) for k in _SHARED_STATE}))
@@ -161,6 +171,7 @@ class EngineProcess:
             raise ValueError(f"--vllm.num-engines {n}: give 1 to {vllm_args.max_num_seqs} (--vllm.max-num-seqs "
                              f"is split between the engines)")
         self.args, self.timings, self.weights_discarded, self.asleep = vllm_args, {}, False, False
+        self._profile = None  # profile_next's path, for the next generate
         self._cast = kind == "vllm"  # vLLM computes in --vllm.dtype; the HF engine keeps the trainer's dtype
         child_args = engine_share(vllm_args)
         ctx = mp.get_context("spawn")
@@ -242,10 +253,23 @@ class EngineProcess:
         """The prompts in contiguous shares, one per engine, all generating at once; the rollouts joined in order."""
         busy = [(k, lo, hi) for k, (lo, hi) in enumerate(shares(len(prompt_ids), len(self._conns))) if hi > lo] \
             or [(0, 0, 0)]
+        if self._profile is not None:  # profile_next: this call, in each busy child
+            for k, _, _ in busy:
+                path = self._profile if len(self._conns) == 1 else f"{self._profile}_{k}"
+                self._send_raw(("profile_next", (str(path),), {}), "profile_next", which=[k])
+            self._profile = None
+            self._answer("profile_next", which=[k for k, _, _ in busy])
         for k, lo, hi in busy:
             share = ("generate", (prompt_ids[lo:hi], *args), {**kwargs, "first_request": first_request + lo})
             self._send_raw(share, "generate", which=[k])
         return merge_rollouts(self._answer("generate", which=[k for k, _, _ in busy]))
+
+    def profile_next(self, path) -> None:
+        """Run the children's next generate under torch.profiler, each writing its top kernels by device time to
+        `path`.txt (`path`_K.txt for engine K of several): the engine's own kernels, which a profiler in the trainer's
+        process does not see (common.tracking.Profile's `engine`). Only noted here: the next generate, on whichever
+        thread makes it (grpo_async.py's background one), sends it first, so the pipe keeps one user at a time."""
+        self._profile = path
 
     def sleep(self) -> None:
         self._call("sleep")

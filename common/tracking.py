@@ -203,11 +203,15 @@ class Profile:
     the top kernels by device time to `path`.txt (and prints them) and, with `trace`, a Chrome trace to
     `path`.json.gz (rank 0). With `python`, cProfile runs alongside and `path`_py.txt gets the Python functions by
     own time and by cumulative time: where the host time goes in a host-bound phase, which the kernel table cannot
-    show (it slows the profiled step further). Does nothing when `on` is False."""
+    show (it slows the profiled step further). With `engine` in a process of its own (common.engine_process), its
+    next generate is profiled there too: `path`_engine.txt, the engine's kernels (grpo_async.py: the background
+    generation that runs beside this step's learning phases). Does nothing when `on` is False."""
 
-    def __init__(self, on: bool, path: Path, trace: bool = True, python: bool = False):
+    def __init__(self, on: bool, path: Path, trace: bool = True, python: bool = False, engine=None):
         import torch
         self.path, self.prof, self.trace, self.py = Path(path), None, trace, None
+        if on and hasattr(engine, "profile_next"):
+            engine.profile_next(self.path.with_name(self.path.name + "_engine"))
         if on:
             acts = [torch.profiler.ProfilerActivity.CPU] + \
                 ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

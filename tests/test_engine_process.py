@@ -67,6 +67,29 @@ def test_waking_an_engine_on_the_trainer_s_gpu_hands_torch_s_cached_blocks_back_
         assert vllm.asleep is asleep
 
 
+def test_a_profiled_step_has_the_child_profile_its_next_generate_once(pair, tmp_path):
+    """--profile-step with the engine in its own process: the trainer's profiler does not see the child's kernels, so
+    Profile(engine=...) has the child profile its next generate, made on whichever thread (grpo_async.py: the
+    background one), into <path>_engine.txt; the call after is not profiled, a Profile that is off asks nothing, and
+    what is sampled does not change."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from common.tracking import Profile
+    _, there = pair
+    before = sample(there)
+    Profile(False, tmp_path / "off", engine=there)
+    sample(there)
+    assert list(tmp_path.iterdir()) == []
+    prof = Profile(True, tmp_path / "p", trace=False, engine=there)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        assert pool.submit(sample, there).result() == before
+    prof.stop(True)
+    table = (tmp_path / "p_engine.txt").read_text()
+    assert "Self CPU" in table and "aten::" in table  # the child's own torch.profiler table of its generate
+    (tmp_path / "p_engine.txt").unlink()
+    assert sample(there) == before and not (tmp_path / "p_engine.txt").exists()
+
+
 def test_an_error_in_the_child_comes_back_with_its_traceback_and_the_child_lives_on(pair):
     _, there = pair
     with pytest.raises(RuntimeError, match="(?s)failed in generate.*Traceback.*IndexError"):
@@ -194,7 +217,7 @@ def test_a_share_of_a_batch_gets_the_request_seeds_it_has_in_the_whole_batch():
         request_seeds(5, 0, 10, 8, first=-1)
 
 
-def test_several_engines_split_the_prompts_refit_together_and_answer_in_order(tiny_model_dir):
+def test_several_engines_split_the_prompts_refit_together_and_answer_in_order(tiny_model_dir, tmp_path):
     """--vllm.num-engines 2: each child generates a contiguous share, told its place in the batch (first_request:
     vLLM's request seeds follow it; the HF engine draws from a stream of its own), the rollout keeps the prompts'
     order, one refit reaches both, and each child gets half of the batch and memory limits."""
@@ -215,7 +238,11 @@ def test_several_engines_split_the_prompts_refit_together_and_answer_in_order(ti
         assert r2.logprobs == first.logprobs + second.logprobs
         assert second.response_ids != one.generate(prompts[2:], **kw).response_ids  # a stream of its own
         greedy = dict(n=1, temperature=0.0, max_new_tokens=5, seed=0)
+        from common.tracking import Profile
+        prof = Profile(True, tmp_path / "q", trace=False, engine=two)  # --profile-step: each child profiles its share
         assert two.generate(prompts, **greedy).response_ids == one.generate(prompts, **greedy).response_ids
+        prof.stop(True)
+        assert (tmp_path / "q_engine_0.txt").is_file() and (tmp_path / "q_engine_1.txt").is_file()
         # fewer prompts than engines: the idle engine is not asked, the rollout is the busy one's
         assert two.generate(PROMPTS[:1], **greedy).response_ids == one.generate(PROMPTS[:1], **greedy).response_ids
         assert two.generate([], **greedy).response_ids == []

@@ -37,7 +37,7 @@ def run(script, model, out, name, *extra):
 def runs(tiny_model_dir, tmp_path_factory):
     """The runs the slow tests read: grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
     weights stay those of step 0 at every step); on for 3 steps, the engine in the trainer's process (a thread);
-    on for 3 steps with the defaults: the engine in a process of its own; on for 3 steps with pi_old scored by the
+    on for 3 steps with the defaults: the engine in a process of its own (step 1 profiled); with pi_old scored by the
     trainer (--behaviour-logp trainer); on for 3 steps with two engine processes (--vllm.num-engines 2)."""
     out = tmp_path_factory.mktemp("async")
     return {"grpo": run("grpo.py", tiny_model_dir, out, "grpo"),
@@ -45,11 +45,12 @@ def runs(tiny_model_dir, tmp_path_factory):
             "on": run("grpo_async.py", tiny_model_dir, out, "on", "--num-steps", "3", "--vllm.no-own-process"),
             "frozen": run("grpo_async.py", tiny_model_dir, out, "frozen", "--no-async-rollout", "--lr", "0",
                           "--num-steps", "3"),
-            "process": run("grpo_async.py", tiny_model_dir, out, "process", "--num-steps", "3"),  # the default
+            "process": run("grpo_async.py", tiny_model_dir, out, "process", "--num-steps", "3",  # the default
+                           "--profile-step", "1"),
             "trainer": run("grpo_async.py", tiny_model_dir, out, "trainer", "--num-steps", "3", "--behaviour-logp",
                            "trainer", "--vllm.no-own-process"),
             "engines2": run("grpo_async.py", tiny_model_dir, out, "engines2", "--num-steps", "3",
-                            "--vllm.num-engines", "2")}
+                            "--vllm.num-engines", "2"), "dir": out}
 
 
 @pytest.mark.slow
@@ -85,12 +86,16 @@ def test_async_rollout_comes_from_the_weights_of_one_refit_ago(runs):
 @pytest.mark.slow
 def test_the_engine_in_a_process_of_its_own_changes_nothing_but_where_it_runs(runs):
     """--vllm.own-process (common/engine_process.py): the same async run, its engine in a child process refit with
-    CPU copies of the weights, logs the same metrics and samples bit for bit, timings aside."""
+    CPU copies of the weights, logs the same metrics and samples bit for bit, timings aside. --profile-step 1 (on in
+    that run) also has the child profile the background generation that runs beside step 1's learning phases."""
     (on, on_samples), (proc, proc_samples) = runs["on"], runs["process"]
     assert [r["step"] for r in proc] == [0, 1, 2] and proc_samples == on_samples
     for a, b in zip(on, proc):
         keys = {k for k in a if not k.startswith("perf/") and k != "time"}
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys if k in keys}
+    run_dir = runs["dir"] / "process"
+    assert "aten::" in (run_dir / "profile_step1_generate_engine.txt").read_text()  # the child's own ops
+    assert (run_dir / "profile_step1.txt").is_file() and not (run_dir / "profile_step0_generate_engine.txt").exists()
 
 
 @pytest.mark.slow

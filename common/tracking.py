@@ -198,6 +198,12 @@ def step_peak_gib() -> float:
     return peak / 2**30
 
 
+def main_rank() -> bool:
+    """Rank 0 of the default process group, or no group (one process)."""
+    import torch.distributed as dist
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 class Profile:
     """torch.profiler over part of one step (`--profile-step`): `p = Profile(on, path)` ... `p.stop(is_main)` writes
     the top kernels by device time to `path`.txt (and prints them) and, with `trace`, a Chrome trace to
@@ -205,12 +211,12 @@ class Profile:
     own time and by cumulative time: where the host time goes in a host-bound phase, which the kernel table cannot
     show (it slows the profiled step further). With `engine` in a process of its own (common.engine_process), its
     next generate is profiled there too: `path`_engine.txt, the engine's kernels (grpo_async.py: the background
-    generation that runs beside this step's learning phases). Does nothing when `on` is False."""
+    generation that runs beside this step's learning phases; rank 0's engine only). Does nothing when `on` is False."""
 
     def __init__(self, on: bool, path: Path, trace: bool = True, python: bool = False, engine=None):
         import torch
         self.path, self.prof, self.trace, self.py = Path(path), None, trace, None
-        if on and hasattr(engine, "profile_next"):
+        if on and hasattr(engine, "profile_next") and main_rank():  # rank 0's engine, as rank 0 writes the tables
             engine.profile_next(self.path.with_name(self.path.name + "_engine"))
         if on:
             acts = [torch.profiler.ProfilerActivity.CPU] + \

@@ -198,12 +198,6 @@ def step_peak_gib() -> float:
     return peak / 2**30
 
 
-def main_rank() -> bool:
-    """Rank 0 of the default process group, or no group (one process)."""
-    import torch.distributed as dist
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 class Profile:
     """torch.profiler over part of one step (`--profile-step`): `p = Profile(on, path)` ... `p.stop(is_main)` writes
     the top kernels by device time to `path`.txt (and prints them) and, with `trace`, a Chrome trace to
@@ -216,7 +210,8 @@ class Profile:
     def __init__(self, on: bool, path: Path, trace: bool = True, python: bool = False, engine=None):
         import torch
         self.path, self.prof, self.trace, self.py = Path(path), None, trace, None
-        if on and hasattr(engine, "profile_next") and main_rank():  # rank 0's engine, as rank 0 writes the tables
+        from common.dist import rank
+        if on and hasattr(engine, "profile_next") and rank() == 0:  # rank 0's engine, as rank 0 writes the tables
             engine.profile_next(self.path.with_name(self.path.name + "_engine"))
         if on:
             acts = [torch.profiler.ProfilerActivity.CPU] + \

@@ -71,7 +71,7 @@ def test_a_profile_arms_only_rank_0_s_engine_and_only_when_on(monkeypatch, tmp_p
     """Profile(engine=...): the engine's own process profiles its next generate into <path>_engine (tests/
     test_engine_process.py runs it); on rank 0 only, as only rank 0 writes the tables (the ranks' engines would
     write the same file), and not at all when the Profile is off or the engine has no process of its own."""
-    from common import tracking
+    from common import dist
     from common.tracking import Profile
 
     class Child:
@@ -84,19 +84,10 @@ def test_a_profile_arms_only_rank_0_s_engine_and_only_when_on(monkeypatch, tmp_p
     engine = Child()
     Profile(False, tmp_path / "p", engine=engine)
     Profile(True, tmp_path / "p", trace=False, engine=object()).stop(True)  # in-process engine: nothing to ask
-    monkeypatch.setattr(tracking, "main_rank", lambda: False)  # rank 1 of a group
+    monkeypatch.setattr(dist, "rank", lambda: 1)  # rank 1 of a group
     Profile(True, tmp_path / "p", trace=False, engine=engine).stop(False)
     assert engine.asked == []
-    monkeypatch.setattr(tracking, "main_rank", lambda: True)
+    monkeypatch.setattr(dist, "rank", lambda: 0)
     Profile(True, tmp_path / "p", trace=False, engine=engine).stop(True)
     assert engine.asked == [tmp_path / "p_engine"]
 
-
-def test_rank_0_is_the_main_rank_and_one_process_is_too(monkeypatch):
-    from common.tracking import main_rank
-    assert main_rank()  # no process group
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
-    assert not main_rank()
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
-    assert main_rank()

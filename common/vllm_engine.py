@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -61,9 +62,10 @@ class VLLMArgs:
     """dtype vLLM computes in (bfloat16 | float16 | float32); refit tensors are cast to it"""
     seed_requests: bool = True
     """give every request its own seed (derived from the step seed, the replica and the prompt index) so a
-    rollout is reproducible whatever the batching; False: one draw stream per generate call (the device's generator
-    seeded from the step seed, replica and share), reproducible for the same batching and after a resume, without
-    vLLM's sampler drawing seeded requests' noise one request at a time (one host call each per decode step)"""
+    rollout is reproducible whatever the batching; False: one draw stream per generate call (seeded from the step
+    seed, replica and share: `draws_from`), reproducible for the same batching and after a resume. vLLM's V1 model
+    runner draws seeded requests' noise one request at a time (a host call each per decode step); its V2 runner
+    (vLLM 0.26's default for Qwen2/Llama) draws all in one kernel either way"""
     refit_bucket_mb: int = 512
     """load_weights hands vLLM the weights in buckets of at most this many MiB (in the engine dtype)"""
     cpu_bind: bool = False
@@ -242,21 +244,26 @@ def mix64(x: int) -> int:
 
 @contextlib.contextmanager
 def draws_from(seed: int | None, device: torch.device):
-    """vLLM samples requests without a seed of their own from the device's default generator (one noise tensor per
-    decode step): seeded here (None: left as it is), so one generate call's draws depend on its seed and the
-    batching only, not on what drew before (the trainer in the same process, earlier steps, a resume). The caller's
-    stream is restored after."""
+    """Where vLLM draws the randomness of requests without a seed of their own, seeded here (None: left as it is),
+    so one generate call's draws depend on its seed and the batching only, not on what drew before (the trainer in
+    the same process, earlier steps, a resume). Two places, one per vLLM model runner: the V1 runner samples them
+    from the device's default generator (one noise tensor per decode step); the V2 runner (vLLM 0.26's default for
+    Qwen2/Llama) gives each such request a seed from numpy's global generator when it is added
+    (vllm/v1/worker/gpu/sample/states.py) and draws every request's noise in one kernel. Both of the caller's
+    streams are restored after."""
     if seed is None:
         yield
         return
     gen = (torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
            if device.type == "cuda" else torch.default_generator)
-    state = gen.get_state()
+    state, np_state = gen.get_state(), np.random.get_state()
     gen.manual_seed(seed)
+    np.random.seed(seed % 2**32)
     try:
         yield
     finally:
         gen.set_state(state)
+        np.random.set_state(np_state)
 
 
 def tp_layout(rank: int, world_size: int, tp: int, local_world_size: int | None = None,

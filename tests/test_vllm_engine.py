@@ -7,6 +7,7 @@ import sys
 import types
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT
@@ -244,19 +245,21 @@ def test_level_2_sleeps_and_refuses_to_generate_until_woken_and_refitted(monkeyp
 
 
 class _DrawingLLM(_FakeLLM):
-    """generate draws each request's token from the default generator (as vLLM's sampler draws the noise of requests
-    without a seed of their own) and records whether the request carried a seed."""
+    """generate draws each request's tokens where vLLM draws for requests without a seed of their own: one from the
+    default generator (the V1 model runner's noise) and one from numpy's global generator (the V2 runner's
+    per-request seed, vllm/v1/worker/gpu/sample/states.py); it records whether the request carried a seed."""
 
     def generate(self, prompts, params, use_tqdm=False):
         self.calls.append(("seeds", [p["seed"] for p in params]))
-        one = lambda: dict(index=0, token_ids=[int(torch.randint(1000, (1,)))], finish_reason="length", logprobs=None)
+        one = lambda: dict(index=0, token_ids=[int(torch.randint(1000, (1,))), int(np.random.randint(1000))],
+                           finish_reason="length", logprobs=None)
         return [SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[SimpleNamespace(**one())])
                 for p in prompts]
 
 
 def test_no_seed_requests_draws_one_stream_per_call_from_the_step_seed(monkeypatch):
-    # --vllm.no-seed-requests: no per-request seeds (vLLM's sampler would draw their noise one request at a time);
-    # instead the device's generator is seeded from the call's seed, replica and share for the call, so the same
+    # --vllm.no-seed-requests: no per-request seeds (the V1 model runner draws their noise one request at a time);
+    # instead the device's and numpy's generators are seeded from the call's seed, replica and share, so the same
     # step draws the same tokens whatever drew before it, and the caller's own stream continues as if untouched.
     engine = _fake_engine(monkeypatch, level=0)
     engine.args.seed_requests, engine.llm = False, _DrawingLLM()
@@ -265,14 +268,20 @@ def test_no_seed_requests_draws_one_stream_per_call_from_the_step_seed(monkeypat
     torch.manual_seed(0)
     a = gen(5)
     torch.rand(100)  # the trainer draws in between
+    np.random.rand(7)
     assert gen(5) == a  # reproducible per step (a resumed run redraws step 5 the same)
     assert gen(6) != a and gen(5, first=2) != a  # another step, another share of the batch: another stream
     assert engine.llm.calls[0] == ("seeds", [None, None])  # no request carries a seed
     torch.manual_seed(1)
+    np.random.seed(1)
     gen(5)
-    after = torch.rand(3)
+    after, np_after = torch.rand(3), np.random.rand(3)
     torch.manual_seed(1)
-    assert torch.equal(torch.rand(3), after)  # the caller's stream restored
+    np.random.seed(1)
+    assert torch.equal(torch.rand(3), after) and (np.random.rand(3) == np_after).all()  # the caller's streams restored
+    torch.manual_seed(3)
+    np.random.seed(4)  # numpy's stream alone moved (the V2 runner's draws): the same step still draws the same
+    assert gen(5) == a
     engine.args.seed_requests = True  # per-request seeds: the default generator is left alone
     torch.manual_seed(2)
     gen(5)

@@ -31,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from common.rollout import Rollout
-from common.vllm_engine import DTYPES, bucket_by_bytes
+from common.vllm_engine import DTYPES, bucket_by_bytes, extra_llm_kwargs
 
 # engine attributes the scripts (and EngineProcess.wake) read, copied back after each call
 _SHARED_STATE = ("timings", "weights_discarded", "asleep")
@@ -39,7 +39,8 @@ _SHARED_STATE = ("timings", "weights_discarded", "asleep")
 
 def check_engine_args(vllm_args) -> None:
     """--vllm.engine-gpu and --vllm.num-engines place engines in processes of their own: without --vllm.own-process
-    they would do nothing."""
+    they would do nothing. --vllm.llm-kwargs is read here too, so a bad one stops the run before any engine starts."""
+    extra_llm_kwargs(vllm_args.llm_kwargs)
     if vllm_args.engine_gpu != -1 and not vllm_args.own_process:
         raise ValueError(f"--vllm.engine-gpu {vllm_args.engine_gpu} places the engine's own process: add "
                          f"--vllm.own-process, or drop --vllm.engine-gpu (the engine then runs in the rank's process)")

@@ -74,6 +74,11 @@ class VLLMArgs:
     no gain measured on a VM, whose vCPU speeds the host decides (docs/performance.md, session 5)"""
     verbose: bool = False
     """print the seconds and GPU memory of every generate / sleep / wake / refit"""
+    llm_kwargs: str = ""
+    """further keyword arguments for vllm.LLM (vLLM's engine arguments), a JSON object passed as it is, e.g.
+    '{"max_num_batched_tokens": 16384}' or '{"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}}';
+    the arguments the engine sets itself (LLM_KWARGS_OWN: from the --vllm flags above, or fixed by its design) are
+    refused"""
     own_process: bool = False
     """run the rollout engine (vLLM, or the HF engine on CPU) in a process of its own (common/engine_process.py):
     its host loop then has its own GIL, so grpo_async.py's background generation can overlap the update; weights
@@ -89,6 +94,35 @@ class VLLMArgs:
 
 
 # ---- pure helpers (CPU-tested) -------------------------------------------------------------------------------
+
+# vllm.LLM's arguments VLLMEngine sets itself; --vllm.llm-kwargs may add any other
+LLM_KWARGS_OWN = ("model", "skip_tokenizer_init", "dtype", "seed", "gpu_memory_utilization", "max_num_seqs",
+                  "max_model_len", "enforce_eager", "enable_prefix_caching", "kv_cache_memory_bytes",
+                  "tensor_parallel_size", "distributed_executor_backend", "enable_sleep_mode", "logprobs_mode",
+                  "generation_config")
+
+
+def extra_llm_kwargs(text: str) -> dict:
+    """--vllm.llm-kwargs as a dict ({} when empty); ValueError, saying what to give instead, when it is not a JSON
+    object or sets an argument of LLM_KWARGS_OWN."""
+    if not text.strip():
+        return {}
+    example = '\'{"max_num_batched_tokens": 16384}\''
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--vllm.llm-kwargs {text!r} is not JSON ({e}): give a JSON object of vllm.LLM arguments, "
+                         f"e.g. {example}") from e
+    if not isinstance(extra, dict):
+        raise ValueError(f"--vllm.llm-kwargs {text!r} is a JSON {type(extra).__name__}: give an object of vllm.LLM "
+                         f"arguments, e.g. {example}")
+    clash = sorted(set(extra) & set(LLM_KWARGS_OWN))
+    if clash:
+        flags = [f"--vllm.{k.replace('_', '-')}" for k in clash if k in VLLMArgs.__dataclass_fields__]
+        raise ValueError(f"--vllm.llm-kwargs sets {clash}, which the engine sets itself"
+                         + (f": use {', '.join(flags)} instead" if flags else " (docs/vllm.md)"))
+    return extra
+
 
 def check_memory_budget(total_bytes: int, free_bytes: int, gpu_memory_utilization: float,
                         training_bytes_estimate: int = 0) -> int:
@@ -356,6 +390,7 @@ class VLLMEngine:
         if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
             raise RuntimeError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is incompatible with vLLM's "
                                "sleep mode (its CuMem pool); unset it or use --rollout hf")
+        extra = extra_llm_kwargs(args.llm_kwargs)
         self.args, self.verbose = args, args.verbose
         self.rank, world = dist.get_rank(), dist.get_world_size()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -402,6 +437,7 @@ class VLLMEngine:
                 # not of the raw logits (vLLM's default "raw_logprobs"): vllm/v1/sample/sampler.py
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # the model's generation_config.json must not change sampling
+                **extra,
             )
         except Exception as e:  # noqa: BLE001 - re-raised with the knob to turn when it is about memory
             msg = str(e)

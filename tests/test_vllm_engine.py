@@ -13,8 +13,9 @@ import torch
 from conftest import ROOT
 
 from common.rollout import Rollout
-from common.vllm_engine import (GiB, VLLMArgs, VLLMEngine, bucket_by_bytes, check_memory_budget, kv_cache_bytes,
-                                remap_tied, request_seeds, resident_hint, to_rollout, tp_layout)
+from common.vllm_engine import (LLM_KWARGS_OWN, GiB, VLLMArgs, VLLMEngine, bucket_by_bytes, check_memory_budget,
+                                extra_llm_kwargs, kv_cache_bytes, remap_tied, request_seeds, resident_hint,
+                                to_rollout, tp_layout)
 
 HAS_GPU_VLLM = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
@@ -290,6 +291,58 @@ def test_no_seed_requests_draws_one_stream_per_call_from_the_step_seed(monkeypat
     torch.manual_seed(2)
     torch.randint(1000, (2,))  # what the two requests drew
     assert torch.equal(torch.rand(3), after)
+
+
+# ---- --vllm.llm-kwargs -------------------------------------------------------------------------------------------
+
+def test_llm_kwargs_parse_and_refuse_what_the_engine_sets():
+    assert extra_llm_kwargs("") == {} and extra_llm_kwargs("  ") == {}
+    nested = '{"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}, "max_num_batched_tokens": 8192}'
+    assert extra_llm_kwargs(nested) == {"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1},
+                                        "max_num_batched_tokens": 8192}
+    with pytest.raises(ValueError, match="is not JSON .*give a JSON object"):
+        extra_llm_kwargs("{max_num_batched_tokens: 8192}")  # the quotes a shell ate
+    with pytest.raises(ValueError, match="is a JSON list"):
+        extra_llm_kwargs("[1, 2]")
+    with pytest.raises(ValueError, match=r"sets \['gpu_memory_utilization', 'seed'\].*use --vllm.gpu-memory-utilization"):
+        extra_llm_kwargs('{"seed": 3, "gpu_memory_utilization": 0.9}')
+    with pytest.raises(ValueError, match="enable_sleep_mode.*docs/vllm.md"):
+        extra_llm_kwargs('{"enable_sleep_mode": false}')
+    from common.engine_process import check_engine_args  # every script checks it before an engine starts
+    with pytest.raises(ValueError, match="not JSON"):
+        check_engine_args(VLLMArgs(llm_kwargs="{"))
+
+
+class _Built(Exception):
+    """Raised by the stand-in vllm.LLM once it has seen its arguments."""
+
+
+def test_llm_kwargs_reach_vllm_llm_beside_the_engine_own(monkeypatch, tmp_path):
+    # VLLMEngine.__init__ on the CPU up to vllm.LLM(...), with the GPU and the process group stood in for: the extra
+    # arguments arrive as given, and LLM_KWARGS_OWN is exactly what the engine passes itself
+    seen = {}
+
+    def llm(**kwargs):
+        seen.update(kwargs)
+        raise _Built
+
+    import common.vllm_engine as V
+    monkeypatch.setattr(V, "_import_vllm", lambda: SimpleNamespace(LLM=llm))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (130 * GiB, 140 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(V.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(V.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(V.dist, "get_world_size", lambda: 1)
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    args = VLLMArgs(llm_kwargs='{"max_num_batched_tokens": 8192, "attention_config": {"backend": "FLASH_ATTN"}}')
+    with pytest.raises(_Built):
+        VLLMEngine(str(tmp_path), args, max_model_len=64, seed=1)
+    assert seen["max_num_batched_tokens"] == 8192 and seen["attention_config"] == {"backend": "FLASH_ATTN"}
+    assert set(seen) - {"max_num_batched_tokens", "attention_config"} == set(LLM_KWARGS_OWN)
+    with pytest.raises(ValueError, match="use --vllm.max-num-seqs"):  # refused before vLLM is called
+        VLLMEngine(str(tmp_path), VLLMArgs(llm_kwargs='{"max_num_seqs": 8}'), max_model_len=64, seed=1)
 
 
 # ---- KV cache sizing ---------------------------------------------------------------------------------------------

@@ -95,11 +95,25 @@ class VLLMArgs:
 
 # ---- pure helpers (CPU-tested) -------------------------------------------------------------------------------
 
-# vllm.LLM's arguments VLLMEngine sets itself; --vllm.llm-kwargs may add any other
-LLM_KWARGS_OWN = ("model", "skip_tokenizer_init", "dtype", "seed", "gpu_memory_utilization", "max_num_seqs",
-                  "max_model_len", "enforce_eager", "enable_prefix_caching", "kv_cache_memory_bytes",
-                  "tensor_parallel_size", "distributed_executor_backend", "enable_sleep_mode", "logprobs_mode",
-                  "generation_config")
+def own_llm_kwargs(model_path: str, args: VLLMArgs, max_model_len: int, seed: int,
+                   kv_cache_bytes: int | None) -> dict:
+    """The vllm.LLM arguments VLLMEngine sets itself (from the --vllm flags, or fixed by its design)."""
+    return dict(
+        model=model_path, skip_tokenizer_init=True, dtype=args.dtype, seed=seed,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len, enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=kv_cache_bytes,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend="external_launcher", enable_sleep_mode=True,
+        # log-probs of the distribution actually sampled from (after temperature / top-k / top-p),
+        # not of the raw logits (vLLM's default "raw_logprobs"): vllm/v1/sample/sampler.py
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",  # the model's generation_config.json must not change sampling
+    )
+
+
+# their names: --vllm.llm-kwargs may add any other argument
+LLM_KWARGS_OWN = tuple(own_llm_kwargs("", VLLMArgs(), 1, 0, None))
 
 
 def extra_llm_kwargs(text: str) -> dict:
@@ -426,19 +440,8 @@ class VLLMEngine:
         self.kv_cache_bytes = fit if fit is not None and fit < 0.5 * args.gpu_memory_utilization * total else None
         t0 = time.perf_counter()
         try:
-            self.llm = vllm.LLM(
-                model=model_path, skip_tokenizer_init=True, dtype=args.dtype, seed=seed + self.dp_rank,
-                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                max_model_len=self.max_model_len, enforce_eager=args.enforce_eager,
-                enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=self.kv_cache_bytes,
-                tensor_parallel_size=args.tensor_parallel_size,
-                distributed_executor_backend="external_launcher", enable_sleep_mode=True,
-                # log-probs of the distribution actually sampled from (after temperature / top-k / top-p),
-                # not of the raw logits (vLLM's default "raw_logprobs"): vllm/v1/sample/sampler.py
-                logprobs_mode="processed_logprobs",
-                generation_config="vllm",  # the model's generation_config.json must not change sampling
-                **extra,
-            )
+            self.llm = vllm.LLM(**own_llm_kwargs(model_path, args, self.max_model_len, seed + self.dp_rank,
+                                                 self.kv_cache_bytes), **extra)
         except Exception as e:  # noqa: BLE001 - re-raised with the knob to turn when it is about memory
             msg = str(e)
             if "Free memory on device" in msg or "out of memory" in msg.lower():

@@ -319,7 +319,7 @@ class _Built(Exception):
 
 def test_llm_kwargs_reach_vllm_llm_beside_the_engine_own(monkeypatch, tmp_path):
     # VLLMEngine.__init__ on the CPU up to vllm.LLM(...), with the GPU and the process group stood in for: the extra
-    # arguments arrive as given, and LLM_KWARGS_OWN is exactly what the engine passes itself
+    # arguments arrive as given beside the engine's own (LLM_KWARGS_OWN), with the values the flags give
     seen = {}
 
     def llm(**kwargs):
@@ -341,6 +341,7 @@ def test_llm_kwargs_reach_vllm_llm_beside_the_engine_own(monkeypatch, tmp_path):
         VLLMEngine(str(tmp_path), args, max_model_len=64, seed=1)
     assert seen["max_num_batched_tokens"] == 8192 and seen["attention_config"] == {"backend": "FLASH_ATTN"}
     assert set(seen) - {"max_num_batched_tokens", "attention_config"} == set(LLM_KWARGS_OWN)
+    assert (seen["seed"], seen["max_model_len"], seen["max_num_seqs"]) == (1, 64, 512)  # seed + replica 0, the flags
     with pytest.raises(ValueError, match="use --vllm.max-num-seqs"):  # refused before vLLM is called
         VLLMEngine(str(tmp_path), VLLMArgs(llm_kwargs='{"max_num_seqs": 8}'), max_model_len=64, seed=1)
 

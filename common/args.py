@@ -204,6 +204,10 @@ class RLArgs(RunArgs):
     attn_impl: str = "varlen"
     """trainer attention: varlen (packed rows, no T x T mask: flash-attn or torch varlen_attn on GPU, per-sequence
     sdpa on CPU; common/attention.py), or sdpa / eager"""
+    share_prompts: bool = True
+    """the trainer's passes hold each prompt once for the group's sequences that share it (exact: the same keys and
+    positions; common/packing.py pack_shared); needs --attn-impl varlen, off with any other. PPO's update keeps whole
+    sequences (its critic); --no-share-prompts: every sequence whole"""
     reference: Literal["auto", "sharded", "replicated"] = "auto"
     """the reference model (kl_coef > 0): sharded like the policy, or a whole copy on every rank, which scores this
     rank's own rollout before the gather, while slower ranks still generate (its forward runs no collective).

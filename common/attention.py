@@ -36,16 +36,22 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def reference_varlen_attention(q, k, v, cu_seqlens, scale: float | None = None) -> torch.Tensor:
+def reference_varlen_attention(q, k, v, cu_seqlens, scale: float | None = None, cu_seqlens_k=None) -> torch.Tensor:
     """Causal attention within each sequence of a packed batch, one sdpa call per sequence.
-    q: (N, Hq, D), k, v: (N, Hkv, D) with Hq a multiple of Hkv (GQA); cu_seqlens: (n+1,). Returns (N, Hq, D)."""
+    q: (N, Hq, D), k, v: (N_k, Hkv, D) with Hq a multiple of Hkv (GQA); cu_seqlens: (n+1,) of q, cu_seqlens_k of k
+    (None: the same). A segment with more keys than queries aligns them at the end (flash-attn's causal): query i of
+    t attends to keys 0 .. s - t + i of s. Returns (N, Hq, D)."""
     groups = q.shape[1] // k.shape[1]
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     out = []
-    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        qi, ki, vi = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))  # (1, H, t, D)
+    for a, b, c, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        qi, ki, vi = (x.transpose(0, 1)[None] for x in (q[a:b], k[c:e], v[c:e]))  # (1, H, t, D), (1, H, s, D)
         if groups > 1:
             ki, vi = ki.repeat_interleave(groups, 1), vi.repeat_interleave(groups, 1)
-        out.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)[0].transpose(0, 1))
+        t, s = b - a, e - c
+        mask = None if t == s else torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        out.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
+                                                  scale=scale)[0].transpose(0, 1))
     return torch.cat(out)
 
 
@@ -99,7 +105,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
                              sliding_window=None, **kwargs):
     """transformers attention function. query: (B, Hq, T, D), key/value: (B, Hkv, T, D) -> ((B, T, Hq, D), None).
     Attends causally within each sequence given by kwargs cu_seq_lens_q / max_length_q (FlashAttentionKwargs)
-    or by the position-id restarts; attention_mask is ignored (packed rows carry no padding)."""
+    or by the position-id restarts; attention_mask is ignored (packed rows carry no padding). With kwargs kv_index
+    (common.packing.pack_shared), each segment's keys and values are the row's tokens kv_index lists, bounded by
+    cu_seq_lens_k / max_length_k, aligned at the segment's end."""
     if sliding_window is not None:
         raise NotImplementedError("--attn-impl varlen does not implement sliding-window attention; use sdpa")
     if dropout:
@@ -112,10 +120,14 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         cu, max_len = cu_seqlens_from_position_ids(pos.expand(B, T))
     q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (query, key, value))  # (N, H, D)
     cu = cu.to(device=q.device, dtype=torch.int32)
+    cu_k, max_k, kv_index = cu, max_len, kwargs.get("kv_index")
+    if kv_index is not None:  # shared prompts: gather each segment's keys (its prompt's, then its own)
+        k, v = k[kv_index], v[kv_index]  # (N_k, Hkv, D)
+        cu_k, max_k = kwargs["cu_seq_lens_k"].to(device=q.device, dtype=torch.int32), kwargs["max_length_k"]
     kind = backend(q.device, q.dtype)
     if kind == "flash_attn":
         from flash_attn import flash_attn_varlen_func
-        out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scaling, causal=True)
+        out = flash_attn_varlen_func(q, k, v, cu, cu_k, max_len, max_k, softmax_scale=scaling, causal=True)
     elif kind == "torch_varlen":
         gqa = {}
         if k.shape[1] != Hq:
@@ -123,9 +135,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
                 gqa = {"enable_gqa": True}
             elif not _NATIVE_GQA:  # no enable_gqa and the kernel did not pass the probe: expand the kv heads
                 k, v = (x.repeat_interleave(Hq // x.shape[1], 1) for x in (k, v))
-        out = _VARLEN_ATTN(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa)
+        out = _VARLEN_ATTN(q, k, v, cu, cu_k, max_len, max_k, scale=scaling, window_size=(-1, 0), **gqa)
     else:
-        out = reference_varlen_attention(q, k, v, cu, scaling)
+        out = reference_varlen_attention(q, k, v, cu, scaling, cu_k)
     return out.view(B, T, Hq, D), None
 
 
@@ -151,6 +163,10 @@ def describe(device: torch.device, dtype: torch.dtype) -> str:
 
 def attn_kwargs(mb) -> dict:
     """The sequence boundaries of a packed MicroBatch as the kwargs transformers forwards to every attention call
-    (FlashAttentionKwargs): TokenLogProbs(..., **attn_kwargs(mb)). Harmless with sdpa, which ignores them."""
+    (FlashAttentionKwargs): TokenLogProbs(..., **attn_kwargs(mb)). Harmless with sdpa, which ignores them, except for
+    a pack_shared micro-batch, which only the varlen attention reads right (its kv_index)."""
+    if mb.kv_index is not None:
+        return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens_k, "max_length_q": mb.max_seqlen,
+                "max_length_k": mb.max_seqlen_k, "kv_index": mb.kv_index}
     return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens,
             "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}

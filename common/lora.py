@@ -145,6 +145,7 @@ class BaseView:
 
     def __init__(self, policy: nn.Module):
         self.policy = policy
+        self.share_prompts = getattr(policy, "share_prompts", False)  # the passes pack for the policy's attention
 
     def modules(self):
         return self.policy.modules()

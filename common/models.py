@@ -149,11 +149,18 @@ class TokenLogProbs(nn.Module):
     FSDP2 shards it as the root, so the LM head weight is all-gathered inside this forward. Kernel workspaces:
     workspace_mb for token_logprobs, loss_workspace_mb for token_loss (larger: at a small hidden size its sub-blocks
     need more rows to keep the GPU ahead of the host, docs/kernels.md).
+    share_prompts: common.passes gives it micro-batches holding each prompt once for the sequences that share it
+    (common.packing.pack_shared); only with the varlen attention, the one that reads their kv_index.
     """
 
-    def __init__(self, lm: nn.Module, impl: str = "auto", workspace_mb: int = 320, loss_workspace_mb: int = 1536):
+    def __init__(self, lm: nn.Module, impl: str = "auto", workspace_mb: int = 320, loss_workspace_mb: int = 1536,
+                 share_prompts: bool = False):
         super().__init__()
         self.lm, self.impl, self.workspace_mb, self.loss_workspace_mb = lm, impl, workspace_mb, loss_workspace_mb
+        if share_prompts and lm.config._attn_implementation != "varlen":
+            raise ValueError(f"shared prompts need the varlen attention (--attn-impl varlen), not "
+                             f"{lm.config._attn_implementation!r}; or pass --no-share-prompts")
+        self.share_prompts = share_prompts
 
     def forward(self, input_ids, position_ids, targets, temperature: float = 1.0, scored=None, argmax: bool = False,
                 loss: "TokenLoss | None" = None, **attn_kwargs):

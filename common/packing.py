@@ -3,6 +3,14 @@
 A packed row carries position ids that restart at 0 for each sequence; with attention_mask=None transformers
 derives the block-diagonal causal mask from them (or, with a varlen attention kernel, cu_seqlens), so no
 compute goes to padding and tokens never attend across sequences.
+
+Shared prompts (pack_shared, the RL scripts' default with the varlen attention): the sequences of a GRPO group share
+their prompt, so a micro-batch holds it once. The row then has one segment of the prompt but its last token, and per
+sequence a segment of that last token followed by the response, whose keys are the prompt's segment and its own
+(kv_index gathers them per layer; common/attention.py). Every query sees the keys and positions it would see in the
+whole sequence, so the log-probs are the same; the prompt's layers run once instead of once per sequence. The last
+prompt token is repeated so that each of its copies predicts one response's first token: every scored position
+keeps one target, and the rest of the machinery (targets, pos, unpack) is unchanged.
 """
 from dataclasses import dataclass
 
@@ -21,6 +29,9 @@ class MicroBatch:
     col: torch.Tensor           # (N_resp,) position of each response token within its response
     pos: torch.Tensor           # (N_resp,) position in the packed row that predicts it (ascending)
     index: torch.Tensor         # (len(rows),) `rows` as a tensor: selects this micro-batch's rows on the device
+    kv_index: torch.Tensor | None = None     # pack_shared: (N_k,) the row's tokens each segment attends to, in order
+    cu_seqlens_k: torch.Tensor | None = None  # pack_shared: (n+1,) int32 boundaries of the segments' keys in kv_index
+    max_seqlen_k: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +122,83 @@ def pack_masked(seqs: list[list[int]], masks: list[list[bool]], rows: list[int])
     long = lambda x: torch.tensor(x, dtype=torch.long)
     return MicroBatch(long(ids)[None], long(pos_ids)[None], long(tgt)[None], torch.tensor(cu, dtype=torch.int32),
                       max(len(seqs[i]) for i in rows), list(rows), long(row), long(col), long(pos), long(list(rows)))
+
+
+def pack_shared(prompts: list[list[int]], responses: list[list[int]], rows: list[int]) -> MicroBatch:
+    """pack's micro-batch with each prompt held once for the rows that share it (the module's docstring): per distinct
+    prompt P, one segment P[:-1], then per row a segment [P[-1]] + response that attends to P[:-1] and to itself.
+    Positions continue from the prompt, so rotary embeddings match the whole sequence. `rows` of the result are in
+    layout order (grouped by prompt); pos stays ascending. An empty `rows` gives pack's dummy micro-batch."""
+    if not rows:
+        return pack([], [], [])
+    groups: dict[tuple, list[int]] = {}
+    for i in rows:
+        if not prompts[i]:
+            raise ValueError(f"sequence {i} has an empty prompt; shared-prompt packing needs at least one prompt token")
+        groups.setdefault(tuple(prompts[i]), []).append(i)
+    ids, pos_ids, tgt, cu, kv, cu_k, row, col, pos, order = [], [], [], [0], [], [0], [], [], [], []
+    for prompt, members in groups.items():
+        n = len(prompt) - 1
+        head = list(range(len(ids), len(ids) + n))  # the row's positions of P[:-1]
+        if n:
+            ids += prompt[:-1]
+            pos_ids += range(n)
+            tgt += [-100] * n
+            cu.append(len(ids))
+            kv += head
+            cu_k.append(len(kv))
+        for i in members:
+            a, off = responses[i], len(ids)
+            ids += [prompt[-1], *a]
+            pos_ids += range(n, n + 1 + len(a))
+            tgt += [*a, -100]  # position off + j predicts a[j]
+            row += [len(order)] * len(a)
+            col += range(len(a))
+            pos += range(off, off + len(a))
+            order.append(i)
+            cu.append(len(ids))
+            kv += head + list(range(off, len(ids)))
+            cu_k.append(len(kv))
+    long = lambda x: torch.tensor(x, dtype=torch.long)
+    seg = lambda c: max(b - a for a, b in zip(c[:-1], c[1:]))
+    return MicroBatch(long(ids)[None], long(pos_ids)[None], long(tgt)[None], torch.tensor(cu, dtype=torch.int32),
+                      seg(cu), order, long(row), long(col), long(pos), long(order), long(kv),
+                      torch.tensor(cu_k, dtype=torch.int32), seg(cu_k))
+
+
+def shared_tokens(prompts: list[list[int]], responses: list[list[int]], rows: list[int]) -> int:
+    """The tokens pack_shared lays out for `rows` (a prompt once per distinct prompt, one more token per row)."""
+    distinct = {tuple(prompts[i]) for i in rows}
+    return sum(len(p) - 1 for p in distinct) + sum(len(responses[i]) + 1 for i in rows)
+
+
+def prompt_units(prompts: list[list[int]], responses: list[list[int]], rows: list[int],
+                 max_tokens: int) -> list[list[int]]:
+    """`rows` in units that share a prompt (a group, in the order of first appearance), a unit cut where its shared
+    layout would pass max_tokens; a single sequence over the budget stays a unit (plan_microbatches rejects it)."""
+    groups: dict[tuple, list[int]] = {}
+    for i in rows:
+        groups.setdefault(tuple(prompts[i]), []).append(i)
+    units = []
+    for members in groups.values():
+        unit: list[int] = []
+        for i in members:
+            if unit and shared_tokens(prompts, responses, unit + [i]) > max_tokens:
+                units.append(unit)
+                unit = []
+            unit.append(i)
+        units.append(unit)
+    return units
+
+
+def shard_shared_microbatches(prompts: list[list[int]], responses: list[list[int]], rows: list[int], world_size: int,
+                              rank: int, max_tokens: int) -> list[list[int]]:
+    """shard_microbatches for pack_shared: the rows of a prompt stay together (balanced and binned as units weighed
+    by their shared layout), so each micro-batch holds a prompt once for as many of its rows as fit."""
+    units = prompt_units(prompts, responses, rows, max_tokens)
+    sizes = [shared_tokens(prompts, responses, u) for u in units]
+    micro = shard_microbatches(sizes, list(range(len(units))), world_size, rank, max_tokens)
+    return [sorted(i for u in mb for i in units[u]) for mb in micro]
 
 
 def plan_microbatches(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:

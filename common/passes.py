@@ -1,6 +1,8 @@
 """Passes of a model over a batch every rank holds: the no-grad log-prob and value passes (each rank takes a
 balanced share of the sequences, the results are summed back so every rank has them all), and the micro-batch
-loop of an update (this rank's packed micro-batches, with FSDP2 told when to reduce-scatter and reshard)."""
+loop of an update (this rank's packed micro-batches, with FSDP2 told when to reduce-scatter and reshard).
+A model built with share_prompts (TokenLogProbs; the RL scripts' --share-prompts with the varlen attention) gets
+micro-batches that hold each prompt once for the sequences that share it (common.packing.pack_shared)."""
 from typing import Iterator
 
 import torch
@@ -9,11 +11,23 @@ from torch import nn
 from common import dist as D
 from common.attention import attn_kwargs
 from common.fsdp import ShardPlan, reshard
-from common.packing import MicroBatch, pack, shard_microbatches
+from common.packing import MicroBatch, pack, pack_shared, shard_microbatches, shard_shared_microbatches
 
 
 def _lengths(prompts, responses) -> list[int]:
     return [len(p) + len(r) for p, r in zip(prompts, responses)]
+
+
+def _shares(models) -> bool:
+    """Whether every model of a pass takes pack_shared micro-batches (built with share_prompts)."""
+    return all(getattr(m, "share_prompts", False) for m in models)
+
+
+def _packed(shared: bool, prompts, responses, rows, world: int, rank: int, budget: int):
+    """This rank's micro-batches of `rows` and how to pack them: shared prompts, or every sequence whole."""
+    if shared:
+        return shard_shared_microbatches(prompts, responses, rows, world, rank, budget), pack_shared
+    return shard_microbatches(_lengths(prompts, responses), rows, world, rank, budget), pack
 
 
 @torch.no_grad()
@@ -22,8 +36,9 @@ def sequence_logprobs(model, prompts, responses, rows, world, rank, budget, temp
     and summed back so every rank holds the result: (B, width), zero outside `rows`. world=1, rank=0 on one of
     several ranks: all of `rows` on this rank and no collective (a replicated model)."""
     out = torch.zeros(len(prompts), width, device=device)
-    for mb_rows in shard_microbatches(_lengths(prompts, responses), rows, world, rank, budget):
-        mb = pack(prompts, responses, mb_rows).to(device)
+    micro, packer = _packed(_shares([model]), prompts, responses, rows, world, rank, budget)
+    for mb_rows in micro:
+        mb = packer(prompts, responses, mb_rows).to(device)
         logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, scored=mb.pos, **attn_kwargs(mb))
         if mb_rows:
             out[mb.index] = mb.unpack(logp, width)
@@ -62,7 +77,11 @@ def microbatch_rows(models: list[tuple[nn.Module, ShardPlan]], lengths: list[int
     FSDP2 calls and add a zero gradient (a loss over no rows is 0 and still depends on the parameters). Gradients
     are reduce-scattered once, after the last backward; with a plan's keep_gathered the parameters stay gathered
     from the first forward to the last backward."""
-    micro = shard_microbatches(lengths, rows, world, rank, budget)
+    yield from _turns(models, shard_microbatches(lengths, rows, world, rank, budget))
+
+
+def _turns(models: list[tuple[nn.Module, ShardPlan]], micro: list[list[int]]) -> Iterator[list[int]]:
+    """microbatch_rows' loop over given micro-batches: FSDP2 reduce-scatters and reshards after the last."""
     for i, mb_rows in enumerate(micro):
         last = i == len(micro) - 1
         for model, plan in models:
@@ -83,6 +102,8 @@ def minibatch_order(rows: list[int], num_epochs: int, num_minibatches: int, gen:
 
 def microbatches(models: list[tuple[nn.Module, ShardPlan]], prompts, responses, rows, world: int, rank: int,
                  budget: int, device) -> Iterator[MicroBatch]:
-    """microbatch_rows of (prompt, response) sequences, packed and on the device."""
-    for mb_rows in microbatch_rows(models, _lengths(prompts, responses), rows, world, rank, budget):
-        yield pack(prompts, responses, mb_rows).to(device)
+    """microbatch_rows of (prompt, response) sequences, packed and on the device (prompts shared when every model
+    takes it)."""
+    micro, packer = _packed(_shares([m for m, _ in models]), prompts, responses, rows, world, rank, budget)
+    for mb_rows in _turns(models, micro):
+        yield packer(prompts, responses, mb_rows).to(device)

@@ -120,13 +120,15 @@ def load_policy(args, model_path: str, device):
     and the reference is that base, the policy with its adapters off (common.lora.BaseView): no second copy."""
     tok = load_tokenizer(model_path)
     lm = lora.apply(load_causal_lm(model_path, args.attn_impl), args.lora, args.fsdp, device, args.seed)
-    policy, plan = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl))
+    share = args.share_prompts and args.attn_impl == "varlen"
+    policy, plan = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl, share_prompts=share))
     ref, ref_early = None, False
     if args.kl_coef > 0 and args.lora.rank:
         ref = lora.base_view(policy)
     elif args.kl_coef > 0:
         rlm = load_causal_lm(model_path, args.attn_impl, trainable=False)
-        ref, ref_early = place_frozen(rlm, args.fsdp, device, args.reference, root=TokenLogProbs(rlm, args.logprob_impl))
+        ref, ref_early = place_frozen(rlm, args.fsdp, device, args.reference,
+                                      root=TokenLogProbs(rlm, args.logprob_impl, share_prompts=share))
     return tok, eos_token_ids(tok, model_path), lm, policy, plan, ref, ref_early
 
 
@@ -145,7 +147,8 @@ class BehaviourPolicy:
             raise ValueError("--behaviour-logp trainer keeps a second copy of the whole policy: not with LoRA "
                              "(--lora.rank > 0); use --behaviour-logp engine")
         lm = load_causal_lm(model_path, args.attn_impl, trainable=False)
-        self.model = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl))[0]
+        share = args.share_prompts and args.attn_impl == "varlen"
+        self.model = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl, share_prompts=share))[0]
 
     def logprobs(self, policy, fresh: bool, seqs: tuple, temperature: float, width: int, device,
                  perf: dict) -> torch.Tensor:

@@ -180,13 +180,15 @@ def prompt_units(prompts: list[list[int]], responses: list[list[int]], rows: lis
     for i in rows:
         groups.setdefault(tuple(prompts[i]), []).append(i)
     units = []
-    for members in groups.values():
+    for prompt, members in groups.items():
         unit: list[int] = []
+        tokens = len(prompt) - 1  # the unit's shared layout: the prompt but its last token, then a segment per row
         for i in members:
-            if unit and shared_tokens(prompts, responses, unit + [i]) > max_tokens:
+            if unit and tokens + len(responses[i]) + 1 > max_tokens:
                 units.append(unit)
-                unit = []
+                unit, tokens = [], len(prompt) - 1
             unit.append(i)
+            tokens += len(responses[i]) + 1
         units.append(unit)
     return units
 

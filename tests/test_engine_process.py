@@ -141,29 +141,34 @@ def test_the_child_gets_the_gpu_asked_for(monkeypatch):
     assert E.child_gpu(1, 0) is None
 
 
-def test_a_world_of_one_keeps_the_local_rank_it_is_given(monkeypatch):
+def test_a_world_of_one_keeps_the_local_rank_it_is_given():
     """The engine's process is a world of one on the trainer's GPU numbering: common.dist must keep the LOCAL_RANK
     _serve sets (it used to force 0), and still default to 0."""
+    import os
     import torch.distributed as dist
     from common import dist as D
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    d = D.init_distributed("cpu")
+    saved = dict(os.environ)  # init_distributed sets RANK, WORLD_SIZE, ...: none may outlive the test (subprocesses)
     try:
-        assert (d.rank, d.world_size, d.local_rank) == (0, 1, 3)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k, None)
+        os.environ["LOCAL_RANK"] = "3"
+        d = D.init_distributed("cpu")
+        try:
+            assert (d.rank, d.world_size, d.local_rank) == (0, 1, 3)
+        finally:
+            D.cleanup()
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k, None)
+        d = D.init_distributed("cpu")
+        try:
+            assert d.local_rank == 0
+        finally:
+            D.cleanup()
     finally:
-        D.cleanup()
-    monkeypatch.delenv("LOCAL_RANK")
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-    d = D.init_distributed("cpu")
-    try:
-        assert d.local_rank == 0
-    finally:
-        D.cleanup()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def test_a_refit_is_one_engine_call_fed_bucket_by_bucket(tiny_model_dir):

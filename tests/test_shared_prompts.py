@@ -70,6 +70,11 @@ def test_shard_shared_microbatches():
         for p in plans:
             assert all(shared_tokens(prompts, responses, mb) <= budget for mb in p if mb)
     assert shard_shared_microbatches(prompts, responses, rows, 1, 0, 1000) == [rows]
+    # a group that fits stays in one micro-batch (prompt [1]*6: 5 + 5 + 2 + 7 + 3 = 22 tokens), one that does not is cut
+    plan = shard_shared_microbatches(prompts, responses, rows, 1, 0, 22)
+    assert any(set(range(4)) <= set(mb) for mb in plan), plan
+    plan = shard_shared_microbatches(prompts, responses, rows, 1, 0, 21)
+    assert not any(set(range(4)) <= set(mb) for mb in plan), plan
     with pytest.raises(ValueError, match="max-tokens-per-microbatch"):
         shard_shared_microbatches(prompts, responses, rows, 1, 0, 18)  # the last sequence alone has 19 tokens
 

@@ -224,6 +224,11 @@ class RLArgs(RunArgs):
         return self.num_minibatches * self.num_epochs
 
     @property
+    def prompt_sharing(self) -> bool:
+        """--share-prompts where it applies: the varlen attention is the one that reads pack_shared's keys."""
+        return self.share_prompts and self.attn_impl == "varlen"
+
+    @property
     def sequences_per_minibatch(self) -> int:
         return self.sequences_per_step // self.num_minibatches
 

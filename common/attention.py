@@ -165,8 +165,8 @@ def attn_kwargs(mb) -> dict:
     """The sequence boundaries of a packed MicroBatch as the kwargs transformers forwards to every attention call
     (FlashAttentionKwargs): TokenLogProbs(..., **attn_kwargs(mb)). Harmless with sdpa, which ignores them, except for
     a pack_shared micro-batch, which only the varlen attention reads right (its kv_index)."""
-    if mb.kv_index is not None:
-        return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens_k, "max_length_q": mb.max_seqlen,
-                "max_length_k": mb.max_seqlen_k, "kv_index": mb.kv_index}
-    return {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens,
-            "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}
+    out = {"cu_seq_lens_q": mb.cu_seqlens, "cu_seq_lens_k": mb.cu_seqlens,
+           "max_length_q": mb.max_seqlen, "max_length_k": mb.max_seqlen}
+    if mb.kv_index is not None:  # pack_shared: keys of their own
+        out |= {"cu_seq_lens_k": mb.cu_seqlens_k, "max_length_k": mb.max_seqlen_k, "kv_index": mb.kv_index}
+    return out

@@ -145,7 +145,10 @@ class BaseView:
 
     def __init__(self, policy: nn.Module):
         self.policy = policy
-        self.share_prompts = getattr(policy, "share_prompts", False)  # the passes pack for the policy's attention
+
+    @property
+    def share_prompts(self) -> bool:  # the passes pack for the policy's attention
+        return getattr(self.policy, "share_prompts", False)
 
     def modules(self):
         return self.policy.modules()

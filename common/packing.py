@@ -166,39 +166,36 @@ def pack_shared(prompts: list[list[int]], responses: list[list[int]], rows: list
                       torch.tensor(cu_k, dtype=torch.int32), seg(cu_k))
 
 
-def shared_tokens(prompts: list[list[int]], responses: list[list[int]], rows: list[int]) -> int:
-    """The tokens pack_shared lays out for `rows` (a prompt once per distinct prompt, one more token per row)."""
-    distinct = {tuple(prompts[i]) for i in rows}
-    return sum(len(p) - 1 for p in distinct) + sum(len(responses[i]) + 1 for i in rows)
-
-
 def prompt_units(prompts: list[list[int]], responses: list[list[int]], rows: list[int],
-                 max_tokens: int) -> list[list[int]]:
+                 max_tokens: int) -> tuple[list[list[int]], list[int]]:
     """`rows` in units that share a prompt (a group, in the order of first appearance), a unit cut where its shared
-    layout would pass max_tokens; a single sequence over the budget stays a unit (plan_microbatches rejects it)."""
+    layout would pass max_tokens, and each unit's tokens in pack_shared's layout (the prompt but its last token once,
+    then the last token and the response per row). A single sequence over the budget stays a unit (plan_microbatches
+    rejects it)."""
     groups: dict[tuple, list[int]] = {}
     for i in rows:
         groups.setdefault(tuple(prompts[i]), []).append(i)
-    units = []
+    units, sizes = [], []
     for prompt, members in groups.items():
         unit: list[int] = []
-        tokens = len(prompt) - 1  # the unit's shared layout: the prompt but its last token, then a segment per row
+        tokens = len(prompt) - 1
         for i in members:
             if unit and tokens + len(responses[i]) + 1 > max_tokens:
                 units.append(unit)
+                sizes.append(tokens)
                 unit, tokens = [], len(prompt) - 1
             unit.append(i)
             tokens += len(responses[i]) + 1
         units.append(unit)
-    return units
+        sizes.append(tokens)
+    return units, sizes
 
 
 def shard_shared_microbatches(prompts: list[list[int]], responses: list[list[int]], rows: list[int], world_size: int,
                               rank: int, max_tokens: int) -> list[list[int]]:
     """shard_microbatches for pack_shared: the rows of a prompt stay together (balanced and binned as units weighed
     by their shared layout), so each micro-batch holds a prompt once for as many of its rows as fit."""
-    units = prompt_units(prompts, responses, rows, max_tokens)
-    sizes = [shared_tokens(prompts, responses, u) for u in units]
+    units, sizes = prompt_units(prompts, responses, rows, max_tokens)
     micro = shard_microbatches(sizes, list(range(len(units))), world_size, rank, max_tokens)
     return [sorted(i for u in mb for i in units[u]) for mb in micro]
 

@@ -120,7 +120,7 @@ def load_policy(args, model_path: str, device):
     and the reference is that base, the policy with its adapters off (common.lora.BaseView): no second copy."""
     tok = load_tokenizer(model_path)
     lm = lora.apply(load_causal_lm(model_path, args.attn_impl), args.lora, args.fsdp, device, args.seed)
-    share = args.share_prompts and args.attn_impl == "varlen"
+    share = args.prompt_sharing
     policy, plan = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl, share_prompts=share))
     ref, ref_early = None, False
     if args.kl_coef > 0 and args.lora.rank:
@@ -147,8 +147,8 @@ class BehaviourPolicy:
             raise ValueError("--behaviour-logp trainer keeps a second copy of the whole policy: not with LoRA "
                              "(--lora.rank > 0); use --behaviour-logp engine")
         lm = load_causal_lm(model_path, args.attn_impl, trainable=False)
-        share = args.share_prompts and args.attn_impl == "varlen"
-        self.model = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl, share_prompts=share))[0]
+        self.model = shard(lm, args.fsdp, device,
+                           root=TokenLogProbs(lm, args.logprob_impl, share_prompts=args.prompt_sharing))[0]
 
     def logprobs(self, policy, fresh: bool, seqs: tuple, temperature: float, width: int, device,
                  perf: dict) -> torch.Tensor:

@@ -94,8 +94,8 @@ class VLLMArgs:
     mps_sm_percent: int = 0
     """with --vllm.own-process: run the trainer and the engine's process as clients of a private CUDA MPS daemon (started
     by the run, quit at its end; common/mps.py), each at this % of the GPU's SMs, so their kernels share the GPU side
-    by side; 0: no MPS. grpo_async.py on W05, one H200: 70 gave 6.81 s/step against 8.74 s without (session 22,
-    docs/grpo_async.md). One process per machine"""
+    by side; 0: no MPS. grpo_async.py on W05, one H200, MPS at 70 % started by hand: 6.81 s/step against 8.74 s
+    without (session 22, docs/grpo_async.md; the flag itself has not run on a GPU yet). One process per machine"""
 
 
 # ---- pure helpers (CPU-tested) -------------------------------------------------------------------------------

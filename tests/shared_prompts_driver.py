@@ -13,7 +13,7 @@ import torch
 
 import grpo
 from common import dist as D
-from common import packing
+from common import packing, passes
 from common.attention import register_varlen_attention
 from common.fsdp import FSDPArgs, shard
 from common.models import TokenLogProbs
@@ -28,8 +28,7 @@ for name in ("pack", "pack_shared"):
     fn = getattr(packing, name)
     wrapped = lambda *a, _fn=fn, _name=name: (lambda mb: laid_out.append((_name, mb.num_tokens)) or mb)(_fn(*a))
     setattr(packing, name, wrapped)
-    import common.passes as passes
-    setattr(passes, name, wrapped)
+    setattr(passes, name, wrapped)  # where the passes call them
 
 g = torch.Generator().manual_seed(0)
 V, width, sizes = 96, 9, (3, 4, 1, 2)  # groups of 3, 4, 1 and 2 sequences; one prompt of a single token

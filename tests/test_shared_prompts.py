@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.attention import attn_kwargs, reference_varlen_attention, varlen_attention_forward
-from common.packing import pack, pack_shared, shard_shared_microbatches, shared_tokens
+from common.packing import pack, pack_shared, prompt_units, shard_shared_microbatches
 from conftest import ROOT
 
 
@@ -26,7 +26,7 @@ def test_pack_shared_layout():
     assert mb.cu_seqlens_k.tolist() == [0, 2, 7, 11, 13]
     assert (mb.max_seqlen, mb.max_seqlen_k) == (3, 5)
     assert mb.pos.tolist() == [2, 3, 5, 7] and mb.row.tolist() == [0, 0, 1, 2] and mb.col.tolist() == [0, 1, 0, 0]
-    assert shared_tokens(prompts, responses, [0, 1, 2]) == mb.num_tokens == 9
+    assert prompt_units(prompts, responses, [0, 1, 2], 100) == ([[0, 2], [1]], [7, 2])  # 9 tokens laid out
     whole = pack(prompts, responses, [0, 2, 1])  # the same targets, in the same order
     assert whole.targets[whole.targets != -100].tolist() == mb.targets[mb.targets != -100].tolist()
     assert pack_shared(prompts, responses, []).num_tokens == 1  # the padding micro-batch, unshared
@@ -68,7 +68,7 @@ def test_shard_shared_microbatches():
         seen = sorted(i for p in plans for mb in p for i in mb)
         assert seen == rows, (world, budget, plans)
         for p in plans:
-            assert all(shared_tokens(prompts, responses, mb) <= budget for mb in p if mb)
+            assert all(pack_shared(prompts, responses, mb).num_tokens <= budget for mb in p if mb)
     assert shard_shared_microbatches(prompts, responses, rows, 1, 0, 1000) == [rows]
     # a group that fits stays in one micro-batch (prompt [1]*6: 5 + 5 + 2 + 7 + 3 = 22 tokens), one that does not is cut
     plan = shard_shared_microbatches(prompts, responses, rows, 1, 0, 22)

@@ -350,7 +350,7 @@ def learn_minibatch(policy, plan, batch: RolloutBatch, rows: list[int], mask, ad
 
 
 def main(args: Args) -> None:
-    d = start_run(args.device, args.deterministic, args.seed, args.vllm)  # MPS, process group, seeds, attention
+    d = start_run(args.device, args.deterministic, args.seed)  # process group, determinism, seeds, varlen attention
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 2 * d.world_size
     if args.group_size < 2:  # the mean of a group of one is its own reward: every advantage would be 0

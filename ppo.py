@@ -364,7 +364,7 @@ def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int],
 
 
 def main(args: Args) -> None:
-    d = start_run(args.device, args.deterministic, args.seed, args.vllm)  # MPS, process group, seeds, attention
+    d = start_run(args.device, args.deterministic, args.seed)  # process group, determinism, seeds, varlen attention
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 16 * d.world_size
     check_geometry(args, d.world_size, (("samples_per_prompt", 1), ("critic_lr", 0), ("critic_warmup_steps", 0)))

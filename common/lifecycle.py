@@ -1,12 +1,10 @@
 """A run's start, its end-of-step checkpoint and its teardown: the same in every RL script, so they live here once.
 
-start_run: the private CUDA MPS daemon (--vllm.mps-sm-percent), process group, deterministic kernels, seeds,
-variable-length attention.
+start_run: process group, deterministic kernels, seeds, variable-length attention.
 checkpoint_step: after each step, agree on a signal stop across ranks and checkpoint when stopping, at the last step
 or every --save-every steps.
 finish_run: the optional HF export, then close the progress bar, the tracker and the process group, and exit 143 when
 a signal stopped the run (docs/checkpoints.md)."""
-import os
 from pathlib import Path
 
 from common import dist as D
@@ -14,13 +12,10 @@ from common.attention import register_varlen_attention
 from common.checkpoint import save_checkpoint
 from common.determinism import set_deterministic
 from common.lora import LoraArgs, export_policy
-from common.mps import start_private_mps
 from common.stop import StopFlag, exit_if_stopped, stop_agreed
 
 
-def start_run(device: str, deterministic: bool, seed: int, vllm_args=None) -> D.Dist:
-    if vllm_args is not None:  # before CUDA starts
-        start_private_mps(vllm_args.mps_sm_percent, vllm_args.own_process, int(os.environ.get("WORLD_SIZE", "1")))
+def start_run(device: str, deterministic: bool, seed: int) -> D.Dist:
     d = D.init_distributed(device)
     set_deterministic(deterministic)
     D.seed_everything(seed)

@@ -91,11 +91,6 @@ class VLLMArgs:
     prompts with 1/N of --vllm.max-num-seqs and of --vllm.gpu-memory-utilization. Generation is bound by vLLM's
     host loop, one core per engine: N loops share the GPU and finish a batch sooner (docs/performance.md). Each
     holds a copy of the weights: for small models"""
-    mps_sm_percent: int = 0
-    """with --vllm.own-process: run the trainer and the engine's process as clients of a private CUDA MPS daemon (started
-    by the run, quit at its end; common/mps.py), each at this % of the GPU's SMs, so their kernels share the GPU side
-    by side; 0: no MPS. grpo_async.py on W05, one H200, MPS at 70 % started by hand: 6.81 s/step against 8.74 s
-    without (session 22, docs/grpo_async.md; the flag itself has not run on a GPU yet). One process per machine"""
 
 
 # ---- pure helpers (CPU-tested) -------------------------------------------------------------------------------

@@ -31,6 +31,19 @@ def test_grpo_summary_peaks_are_maxima_over_every_step(tmp_path):
     assert s["peak_mem_gib"] == 75.0 and s["trainer_peak_gib"] == 35.0  # step 0 counts for memory
 
 
+def test_grpo_summary_reports_the_updates_health(tmp_path):
+    """Gradient norm and clipped share beside the speed (warm-step medians): session 23's MPS run was fast with a
+    gradient norm 3,000x the defaults' run; absent keys give None, not 0."""
+    rows = [{"step": s, "perf/step_s": 7.0, "train/grad_norm": g, "train/clip_frac": c}
+            for s, (g, c) in enumerate([(9.0, 0.5), (1300.0, 0.04), (1320.0, 0.05), (1290.0, 0.045)])]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    s = grpo_summary(tmp_path / "metrics.jsonl")
+    assert s["grad_norm"] == 1300.0 and s["clip_frac"] == 0.045  # step 0 dropped
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "perf/step_s": 7.0}) + "\n")
+    s = grpo_summary(tmp_path / "metrics.jsonl")
+    assert s["grad_norm"] is None and s["clip_frac"] is None
+
+
 def test_scaling_pools_rounds_and_reports_each():
     runs = [{"attn": "varlen", "nproc": 1, "round": 0, "warm_steps": [10.0, 10.0]},
             {"attn": "varlen", "nproc": 2, "round": 0, "warm_steps": [5.0, 5.0]},

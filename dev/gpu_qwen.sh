@@ -88,6 +88,9 @@ EOF
   else touch /tmp/bench.done; fi
   ;;
 site)
+  for i in $(seq 0 $(($2 - 1))); do  # a call can land on a fresh machine (session 23): its earlier pieces are gone
+    [ -f /tmp/stage/part-0$i ] || { echo "BARE MACHINE: part-0$i is not staged here (the machine changed between calls): start again at site0"; exit 3; }
+  done
   cp .gpu-site/p-0$2 /tmp/stage/part-0$2 && ls /tmp/stage
   [ "$2" = 2 ] || exit 0
   cat /tmp/stage/part-0[012] | tar -xJ -C /tmp/site && rm -f /tmp/stage/part-*

@@ -13,7 +13,8 @@ Each step t (numbers match the phases in the loop; --no-async-rollout is grpo.py
   6. log, 7. evaluate (the engine is idle), 8. checkpoint (without the rollout in flight: a resume skips its prompts)
 
 Deviations from grpo.py (whose docstring has GRPO's, DAPO's and the variants) with --async-rollout:
-  1. The rollout is one refit stale (num_minibatches x num_epochs optimiser steps), except at the first step.
+  1. The rollout is one refit stale (num_minibatches x num_epochs optimiser steps), except at the first step, whose
+     pi_old is the trainer's as in grpo.py (rollout/logprob_gap_*: the engine's distance from it, same weights).
   2. The engine never sleeps (it generates during the update; in its own process by default): both fit on the GPU.
   3. No --dynamic-sampling-max-rounds > 1, --tis-cap or --vllm.tensor-parallel-size > 1.
 
@@ -472,10 +473,9 @@ def main(args: Args) -> None:
         if ref is not None and not ref_early and rows:
             with timed(perf, "ref_logp"):
                 ref_logp = sequence_logprobs(ref, *seqs, args.temperature, width, d.device)
-        # pi_old: the behaviour policy's with --async-rollout (the engine's log-probs of what it sampled, a refit ago)
         old_logp = (behaviour.logprobs(policy, not stale, seqs, args.temperature, width, d.device, perf) if behaviour
-                    else engine_logp if args.async_rollout else None)  # None: pi.detach() (one optimiser step)
-        if old_logp is None and (args.recompute_old_logp or args.kl_in_reward) and rows:  # --kl-in-reward: KL of pi_old
+                    else engine_logp if stale else None)  # pi_old: the engine's a refit ago, or pi.detach()
+        if old_logp is None and (args.optimizer_steps_per_rollout > 1 or args.kl_in_reward) and rows:  # KL of pi_old
             with timed(perf, "old_logp"):
                 old_logp = sequence_logprobs(policy, *seqs, args.temperature, width, d.device)
         kl_tok = (kl_penalty(old_logp, ref_logp, args.kl_estimator).detach() * mask if args.kl_in_reward and rows
@@ -524,7 +524,7 @@ def main(args: Args) -> None:
             **({"train/tis_weight_mean": float(stats["tis_w"]) / ntok} if args.tis_cap > 0 else {}),
             **({"rollout/logprob_gap_mean": float(stats["gap_sum"]) / ntok,
                 "rollout/logprob_gap_max": float(stats["gap_max"])}  # async: pi_old is the engine's: gap 0
-               if engine_mask.any() and (behaviour or not args.async_rollout) else {}),
+               if engine_mask.any() and (behaviour or not stale) else {}),
         } | perf_metrics(perf, t_step, lm.config, batch.lengths, batch.response_len.tolist(), rows,
                          {"ref_logp": (1, False), "old_logp": (1, False), "update": (args.num_epochs, True)},
                          d.world_size, args.peak_flops, d.device)

@@ -200,8 +200,8 @@ def grpo_summary(metrics: Path) -> dict:
     for k in ("peak_mem_gib", "trainer_peak_gib"):  # peaks over every step, not medians
         if any(f"perf/{k}" in r for r in rows):
             s[k] = max(r.get(f"perf/{k}", 0) for r in rows)
-    s["logprob_gap_mean"] = statistics.median(r["rollout/logprob_gap_mean"] for r in warm) \
-        if warm and all("rollout/logprob_gap_mean" in r for r in warm) else None
+    gaps = [r["rollout/logprob_gap_mean"] for r in rows if "rollout/logprob_gap_mean" in r]  # --engine-logprobs-every
+    s["logprob_gap_mean"] = statistics.median(gaps) if gaps else None  # steps: grpo_async.py's step 0 only
     # the update's health beside its speed: a fast run whose gradient norm or clipped share left the defaults' is not
     # the same training (session 23: CUDA MPS at 70 % of the SMs, grad norm 1,300 against 0.41, clip_frac 4.5 % vs 0)
     for k in ("grad_norm", "clip_frac"):

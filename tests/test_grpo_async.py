@@ -135,15 +135,18 @@ def test_behaviour_log_probs_scored_by_the_trainer_are_the_engine_s(runs):
 @pytest.mark.slow
 def test_async_pi_old_is_the_behaviour_policy_and_the_run_is_sane(runs):
     """With one optimiser step per rollout grpo.py's ratio is exactly 1 (pi_old = pi.detach(): nothing clipped).
-    grpo_async.py divides by the engine's log-probs: at step 0 (same weights) the ratio is 1 up to float error, so
-    nothing is clipped; at steps 1-2 the trainer is one update (lr 1e-2) past the weights that sampled, so some
-    tokens' ratios leave [0.8, 1.2] and are clipped. All metrics are finite."""
+    grpo_async.py divides by the engine's log-probs from step 1: there the trainer is one update (lr 1e-2) past the
+    weights that sampled, so some tokens' ratios leave [0.8, 1.2] and are clipped. Step 0 is generated now by the
+    trainer's weights: pi_old is the trainer's own, as in grpo.py, and the engine's distance from it is logged (the
+    HF engine: the same fp32 model, so ~0; session 23's MPS fault showed at this step as clipped tokens and a 3,000x
+    gradient norm, with no gap metric). All metrics are finite."""
     on, _ = runs["on"]
     grpo, _ = runs["grpo"]
     assert all(r["train/clip_frac"] == 0 for r in grpo)
     assert on[0]["train/clip_frac"] == 0
     assert on[1]["train/clip_frac"] > 0 and on[2]["train/clip_frac"] > 0
     assert "rollout/logprob_gap_mean" not in on[1]  # 0 by construction with pi_old = the engine's log-probs
+    assert on[0]["rollout/logprob_gap_max"] < 1e-3 and on[0]["rollout/logprob_gap_mean"] < 1e-4
     for r in on:
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, (int, float))), r
         assert r["train/grad_norm"] > 0 and r["train/entropy"] > 0 and r["rollout/sequences_trained"] == 8

@@ -36,9 +36,11 @@ def test_grpo_summary_reports_the_updates_health(tmp_path):
     gradient norm 3,000x the defaults' run; absent keys give None, not 0."""
     rows = [{"step": s, "perf/step_s": 7.0, "train/grad_norm": g, "train/clip_frac": c}
             for s, (g, c) in enumerate([(9.0, 0.5), (1300.0, 0.04), (1320.0, 0.05), (1290.0, 0.045)])]
+    rows[0]["rollout/logprob_gap_mean"] = 0.25  # the engine's log-probs are asked for at some steps only (step 0 here)
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     s = grpo_summary(tmp_path / "metrics.jsonl")
     assert s["grad_norm"] == 1300.0 and s["clip_frac"] == 0.045  # step 0 dropped
+    assert s["logprob_gap_mean"] == 0.25  # over the steps that have it, step 0 included
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "perf/step_s": 7.0}) + "\n")
     s = grpo_summary(tmp_path / "metrics.jsonl")
     assert s["grad_norm"] is None and s["clip_frac"] is None

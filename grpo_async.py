@@ -135,7 +135,7 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     @property
     def recompute_old_logp(self) -> bool:
         # With one optimiser step per rollout the policy has not moved when the ratio is taken: pi_old = pi.detach()
-        return self.optimizer_steps_per_rollout > 1 and not self.async_rollout  # async: pi_old = the engine's
+        return self.optimizer_steps_per_rollout > 1 and not self.async_rollout  # async: the engine's (from step 1)
 
 
 # ---- pure algorithm functions (tests/test_grpo.py) ----------------------------------------------------------
@@ -475,7 +475,7 @@ def main(args: Args) -> None:
                 ref_logp = sequence_logprobs(ref, *seqs, args.temperature, width, d.device)
         old_logp = (behaviour.logprobs(policy, not stale, seqs, args.temperature, width, d.device, perf) if behaviour
                     else engine_logp if stale else None)  # pi_old: the engine's a refit ago, or pi.detach()
-        if old_logp is None and (args.optimizer_steps_per_rollout > 1 or args.kl_in_reward) and rows:  # KL of pi_old
+        if old_logp is None and (args.optimizer_steps_per_rollout > 1 or args.kl_in_reward) and rows:  # grpo.py's rule
             with timed(perf, "old_logp"):
                 old_logp = sequence_logprobs(policy, *seqs, args.temperature, width, d.device)
         kl_tok = (kl_penalty(old_logp, ref_logp, args.kl_estimator).detach() * mask if args.kl_in_reward and rows

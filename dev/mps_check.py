@@ -89,7 +89,21 @@ def components(dev, vocab, hidden):
     out["gemm_dw_rel_err"] = rel(dl.t() @ h, dl.t().float() @ h.float())  # (V, H): the LM head's dW
     w = torch.randn(vocab, hidden, device=dev, generator=g).to(torch.bfloat16)
     out["gemm_dh_rel_err"] = rel(dl @ w, dl.float() @ w.float())
-    del dl
+    from kernels.logprob import _mm_fp32, logprob_reference, token_logprobs
+    z = torch.empty(4096, 32768, device=dev)
+    _mm_fp32(h[:4096], w[:32768].t(), z)  # the LM head's fp32 logits block (bf16 inputs, fp32 out)
+    out["mm_fp32_rel_err"] = rel(z, h[:4096].float() @ w[:32768].float().t())
+    del dl, z
+    t = torch.randint(0, vocab, (8192,), device=dev, generator=g)
+    hs = (h[:8192] * 0.05).requires_grad_()
+    lp, ent = token_logprobs(hs, w, t)
+    ref_lp, ref_ent = logprob_reference(hs.detach().float(), w.float(), t)
+    out["logprob_max_abs_err"] = float((lp - ref_lp).abs().max())
+    out["logprob_nonfinite"] = int((~lp.isfinite()).sum())
+    gh, = torch.autograd.grad(lp.sum(), hs)
+    hf = hs.detach().float().requires_grad_()
+    rg, = torch.autograd.grad(logprob_reference(hf, w.float(), t)[0].sum(), hf)
+    out["logprob_dh_rel_err"] = rel(gh, rg)
     # varlen attention over a packed row of 32 sequences, 14 query heads / 2 KV heads of 64 (Qwen2.5-0.5B)
     lens = [700] * 23
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)

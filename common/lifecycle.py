@@ -1,10 +1,12 @@
 """A run's start, its end-of-step checkpoint and its teardown: the same in every RL script, so they live here once.
 
-start_run: process group, deterministic kernels, seeds, variable-length attention.
+start_run: process group, deterministic kernels, seeds, variable-length attention; a warning under a CUDA MPS SM share.
 checkpoint_step: after each step, agree on a signal stop across ranks and checkpoint when stopping, at the last step
 or every --save-every steps.
 finish_run: the optional HF export, then close the progress bar, the tracker and the process group, and exit 143 when
 a signal stopped the run (docs/checkpoints.md)."""
+import os
+import warnings
 from pathlib import Path
 
 from common import dist as D
@@ -15,8 +17,21 @@ from common.lora import LoraArgs, export_policy
 from common.stop import StopFlag, exit_if_stopped, stop_agreed
 
 
+def warn_mps_share(device: str) -> None:
+    """CUDA MPS with a share of the SMs computed wrong results on the H200 measured here (sessions 23-24: the kernel
+    GPU tests that pass without it failed, and the update's gradient norm was ~3,000x too large or NaN), so a run
+    under one says so before it starts (docs/grpo_async.md, "Where it overlaps")."""
+    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    if device == "cuda" and share:
+        warnings.warn(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={share}: under a CUDA MPS share of the SMs, kernels "
+                      "computed wrong results on the H200 measured (docs/grpo_async.md, 'Where it overlaps'); unset "
+                      "it, or check that train/grad_norm and rollout/logprob_gap_mean match a run without it",
+                      stacklevel=2)
+
+
 def start_run(device: str, deterministic: bool, seed: int) -> D.Dist:
     d = D.init_distributed(device)
+    warn_mps_share(d.device.type)
     set_deterministic(deterministic)
     D.seed_everything(seed)
     register_varlen_attention()  # makes --attn-impl varlen known to transformers

@@ -149,3 +149,20 @@ def test_cli_max_new_tokens_zero_named_before_model(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
     assert p.returncode != 0
     assert "--max-new-tokens 0: must be >= 1" in p.stderr and "no-such-model" not in p.stderr
+
+
+# ---- a CUDA MPS share of the SMs (sessions 23-24: wrong results on the H200) ---------------------------------------
+def test_start_run_warns_under_an_mps_sm_share(monkeypatch, recwarn):
+    import common.lifecycle as L
+    monkeypatch.setattr(L.D, "init_distributed",  # "auto" resolves to the GPU, as on a GPU machine
+                        lambda device: Dist(0, 1, 0, torch.device("cpu" if device == "cpu" else "cuda")))
+    monkeypatch.setattr(L, "set_deterministic", lambda flag: None)
+    mps = lambda: [w for w in recwarn if "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in str(w.message)]
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    L.start_run("cuda", False, 0)
+    assert not mps()  # no share: no warning
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "70")
+    L.start_run("cpu", False, 0)
+    assert not mps()  # the share does not touch a CPU run
+    L.start_run("auto", False, 0)
+    assert len(mps()) == 1 and "=70" in str(mps()[0].message) and "grad_norm" in str(mps()[0].message)

@@ -31,7 +31,8 @@ def warn_mps_share(device: str) -> None:
 
 def start_run(device: str, deterministic: bool, seed: int) -> D.Dist:
     d = D.init_distributed(device)
-    warn_mps_share(d.device.type)
+    if d.local_rank == 0:  # once per node
+        warn_mps_share(d.device.type)
     set_deterministic(deterministic)
     D.seed_everything(seed)
     register_varlen_attention()  # makes --attn-impl varlen known to transformers

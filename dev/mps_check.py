@@ -18,9 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.attention import attn_kwargs, reference_varlen_attention, register_varlen_attention  # noqa: E402
+from common.attention import (attn_kwargs, reference_varlen_attention, register_varlen_attention,  # noqa: E402
+                              varlen_attention_forward)
 from common.models import TokenLogProbs, TokenLoss, load_causal_lm  # noqa: E402
 from common.packing import pack, pack_shared, shard_microbatches, shard_shared_microbatches  # noqa: E402
+from kernels.logprob import _mm_fp32, logprob_reference, token_logprobs  # noqa: E402
 
 
 def batch(vocab, groups, group_size, seed=0):
@@ -89,7 +91,6 @@ def components(dev, vocab, hidden):
     out["gemm_dw_rel_err"] = rel(dl.t() @ h, dl.t().float() @ h.float())  # (V, H): the LM head's dW
     w = torch.randn(vocab, hidden, device=dev, generator=g).to(torch.bfloat16)
     out["gemm_dh_rel_err"] = rel(dl @ w, dl.float() @ w.float())
-    from kernels.logprob import _mm_fp32, logprob_reference, token_logprobs
     z = torch.empty(4096, 32768, device=dev)
     _mm_fp32(h[:4096], w[:32768].t(), z)  # the LM head's fp32 logits block (bf16 inputs, fp32 out)
     out["mm_fp32_rel_err"] = rel(z, h[:4096].float() @ w[:32768].float().t())
@@ -111,8 +112,6 @@ def components(dev, vocab, hidden):
     q = torch.randn(1, T, 14, 64, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
     k = torch.randn(1, T, 2, 64, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
     v = torch.randn(1, T, 2, 64, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
-    from common.attention import varlen_attention_forward
-
     class M:  # the module argument: only is_causal / config are read
         is_causal = True
 

@@ -1,0 +1,100 @@
+"""One device call's W05 results as a table: every sub-run bench/w05.py wrote under a folder, side by side, each of
+ours against every TRL run of the same call (issue 20: a comparison with a peer counts only within one call, and
+TRL's own step moved 15 % between two runs of one call in session 27, so each ratio is given against each TRL run).
+
+Per grpo sub-run: the median step over bench/w05.py's warm steps and their range, the phases' medians, the device
+peak (nvidia-smi) and the trainer's, and whether it trained as the defaults do: the grad norm's range and the
+largest clip fraction over the steps after step 0 (from its metrics.jsonl), and the step-0 engine-vs-trainer
+log-prob gap. A fast run that trains differently (session 22's MPS share) shows on the same line.
+
+    python bench/call_table.py docs/results/session27                # every <sub-run>/w05-0.5b/summary.json below
+    python bench/call_table.py docs/results/session27 --markdown     # the same as a markdown table
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/call_table.py` from anywhere
+from bench.w05 import SHAPES  # noqa: E402
+
+
+def load(folder: Path) -> list[dict]:
+    """Every sub-run of every summary.json below `folder`, with `label` (the summary's folder relative to `folder`,
+    without bench/w05.py's shape folder) and `summary` (its path); the build step is left out."""
+    out = []
+    for p in sorted(folder.rglob("summary.json")):
+        label = p.parent.relative_to(folder)
+        label = str(label.parent if label.name in {f"w05-{shape}" for shape in SHAPES} else label)
+        for run in json.loads(p.read_text()).get("runs", [])[1:]:
+            out.append(dict(run, label=label if run.get("kind") == "trl" else f"{label}:{run['name']}",
+                            summary=p))
+    return out
+
+
+def training_check(run: dict) -> dict:
+    """Grad norm range and largest clip fraction over the steps after 0, from the run's metrics.jsonl (empty if the
+    file is not beside its summary)."""
+    path = run["summary"].parent / run["name"] / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    later = [r for r in rows if r.get("step", 0) > 0]
+    norms = [r["train/grad_norm"] for r in later if "train/grad_norm" in r]
+    clips = [r["train/clip_frac"] for r in later if "train/clip_frac" in r]
+    return {"grad_norm": (min(norms), max(norms)) if norms else None, "clip_max": max(clips) if clips else None}
+
+
+def rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and one row per sub-run that ran (failed sub-runs are named, without numbers)."""
+    trl = [r for r in runs if r.get("kind") == "trl" and r.get("median_warm_s")]
+    head = ["sub-run", "s/step", "warm steps", "generate", "reference", "update", "wait", "device GiB", "trainer GiB",
+            "grad norm", "clip max", "step-0 gap"] + [f"vs {t['label']}" for t in trl]
+    table = []
+    for r in runs:
+        if not r.get("ok", True):
+            table.append([r["label"], "failed"] + [""] * (len(head) - 2))
+            continue
+        if r.get("kind") == "trl":
+            steps = r.get("steps") or []
+            table.append([r["label"], f"{r['median_warm_s']:.2f}", " ".join(f"{s:.2f}" for s in steps[1:]), "", "", "",
+                          "", f"{r.get('gpu_mem_peak_gib', 0):.1f}", "", "", "", ""] + [""] * len(trl))
+            continue
+        if r.get("kind") != "grpo" or not r.get("warm_steps"):
+            continue
+        step = statistics.median(r["warm_steps"])
+        check = training_check(r)
+        gn, clip, gap = check.get("grad_norm"), check.get("clip_max"), r.get("logprob_gap_mean")
+        f = lambda k: f"{r[k]:.2f}" if isinstance(r.get(k), (int, float)) else ""  # noqa: E731
+        table.append([r["label"], f"{step:.2f}", f"{min(r['warm_steps']):.2f}-{max(r['warm_steps']):.2f}",
+                      f("generate_s"), f("ref_logp_s"), f("update_s"), f("wait_rollout_s"),
+                      f"{r.get('gpu_mem_peak_gib', 0):.1f}", f"{r.get('peak_mem_gib', 0):.1f}",
+                      f"{gn[0]:.3f}-{gn[1]:.3f}" if gn else "", f"{clip:.4f}" if clip is not None else "",
+                      f"{gap:.5f}" if gap is not None else ""]
+                     + [f"{t['median_warm_s'] / step:.2f}x" for t in trl])
+    return head, table
+
+
+def render(head: list[str], table: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                         + ["| " + " | ".join(row) + " |" for row in table])
+    widths = [max(len(x) for x in col) for col in zip(head, *table)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head] + table)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder", type=Path, help="a device call's results (one folder per sub-run, as bench/w05.py's OUT)")
+    ap.add_argument("--markdown", action="store_true")
+    a = ap.parse_args()
+    runs = load(a.folder)
+    if not runs:
+        raise SystemExit(f"no bench/w05.py summary.json below {a.folder}: give the folder its sub-runs wrote to "
+                         f"(each sub-run's OUT, e.g. docs/results/session27)")
+    print(render(*rows(runs), a.markdown))
+
+
+if __name__ == "__main__":
+    main()

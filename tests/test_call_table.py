@@ -1,0 +1,58 @@
+"""bench/call_table.py: one device call's sub-runs side by side, ours against every TRL run of the call."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import call_table as C
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_call(folder: Path) -> None:
+    """A call as bench/w05.py leaves it: <sub-run>/w05-0.5b/summary.json, a grpo run's metrics.jsonl beside it."""
+    def summary(sub: str, runs: list[dict]) -> Path:
+        d = folder / sub / "w05-0.5b"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"shape": "0.5b", "runs": [{"name": "build", "ok": True}] + runs}))
+        return d
+
+    summary("trl", [{"name": "trl-1gpu", "kind": "trl", "ok": True, "steps": [30.0, 20.0, 21.0, 22.0],
+                     "median_warm_s": 21.0, "gpu_mem_peak_gib": 52.8}])
+    summary("trl2", [{"name": "trl-1gpu", "kind": "trl", "ok": True, "steps": [30.0, 25.0, 24.0, 26.0],
+                      "median_warm_s": 25.0, "gpu_mem_peak_gib": 52.9}])
+    d = summary("fast", [{"name": "async-varlen-1gpu", "kind": "grpo", "ok": True, "warm_steps": [5.0, 8.5, 6.0],
+                          "generate_s": 4.5, "ref_logp_s": 1.5, "update_s": 3.5, "wait_rollout_s": 0.0,
+                          "gpu_mem_peak_gib": 45.6, "peak_mem_gib": 23.1, "logprob_gap_mean": 0.007}])
+    rows = [{"step": 0, "train/grad_norm": 99.0, "train/clip_frac": 0.5},  # step 0 is left out of the check
+            {"step": 1, "train/grad_norm": 0.40, "train/clip_frac": 0.0},
+            {"step": 2, "train/grad_norm": 0.42, "train/clip_frac": 0.01}]
+    (d / "async-varlen-1gpu").mkdir()
+    (d / "async-varlen-1gpu" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary("broken", [{"name": "grpo-varlen-1gpu", "kind": "grpo", "ok": False}])
+
+
+def test_each_of_ours_is_set_against_every_trl_run_of_the_call(tmp_path):
+    write_call(tmp_path)
+    head, table = C.rows(C.load(tmp_path))
+    assert head[-2:] == ["vs trl", "vs trl2"]
+    by_name = {row[0]: dict(zip(head, row)) for row in table}
+    fast = by_name["fast:async-varlen-1gpu"]
+    # median of the warm steps (6.0), not their mean; each TRL run's own median over ours
+    assert (fast["s/step"], fast["warm steps"], fast["vs trl"], fast["vs trl2"]) == ("6.00", "5.00-8.50", "3.50x", "4.17x")
+    assert (fast["grad norm"], fast["clip max"], fast["step-0 gap"]) == ("0.400-0.420", "0.0100", "0.00700")
+    assert (fast["reference"], fast["update"], fast["device GiB"], fast["trainer GiB"]) == ("1.50", "3.50", "45.6", "23.1")
+    assert by_name["trl2"]["s/step"] == "25.00" and by_name["trl2"]["warm steps"] == "25.00 24.00 26.00"
+    assert by_name["broken:grpo-varlen-1gpu"]["s/step"] == "failed"
+
+
+def test_the_command_prints_a_markdown_table_and_refuses_an_empty_folder(tmp_path):
+    write_call(tmp_path / "call")
+    out = subprocess.run([sys.executable, str(ROOT / "bench/call_table.py"), str(tmp_path / "call"), "--markdown"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0].startswith("| sub-run | s/step |") and out[1].startswith("|---|")
+    assert any(line.startswith("| fast:async-varlen-1gpu | 6.00 |") for line in out)
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, str(ROOT / "bench/call_table.py"), str(tmp_path / "empty")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "no bench/w05.py summary.json below" in r.stderr

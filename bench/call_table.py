@@ -47,7 +47,7 @@ def training_check(run: dict) -> dict:
 
 
 def rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and one row per sub-run that ran (failed sub-runs are named, without numbers)."""
+    """Header and one row per sub-run (failed ones and ones without a warm step are named, without numbers)."""
     trl = [r for r in runs if r.get("kind") == "trl" and r.get("median_warm_s")]
     head = ["sub-run", "s/step", "warm steps", "generate", "reference", "update", "wait", "device GiB", "trainer GiB",
             "grad norm", "clip max", "step-0 gap"] + [f"vs {t['label']}" for t in trl]
@@ -61,7 +61,10 @@ def rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
             table.append([r["label"], f"{r['median_warm_s']:.2f}", " ".join(f"{s:.2f}" for s in steps[1:]), "", "", "",
                           "", f"{r.get('gpu_mem_peak_gib', 0):.1f}", "", "", "", ""] + [""] * len(trl))
             continue
-        if r.get("kind") != "grpo" or not r.get("warm_steps"):
+        if r.get("kind") != "grpo":
+            continue
+        if not r.get("warm_steps"):  # ran, but too few steps for bench/w05.py to count one as warm
+            table.append([r["label"], "no warm step"] + [""] * (len(head) - 2))
             continue
         step = statistics.median(r["warm_steps"])
         check = training_check(r)

@@ -30,6 +30,7 @@ def write_call(folder: Path) -> None:
     (d / "async-varlen-1gpu").mkdir()
     (d / "async-varlen-1gpu" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary("broken", [{"name": "grpo-varlen-1gpu", "kind": "grpo", "ok": False}])
+    summary("short", [{"name": "grpo-varlen-1gpu", "kind": "grpo", "ok": True, "warm_steps": []}])
 
 
 def test_each_of_ours_is_set_against_every_trl_run_of_the_call(tmp_path):
@@ -44,6 +45,8 @@ def test_each_of_ours_is_set_against_every_trl_run_of_the_call(tmp_path):
     assert (fast["reference"], fast["update"], fast["device GiB"], fast["trainer GiB"]) == ("1.50", "3.50", "45.6", "23.1")
     assert by_name["trl2"]["s/step"] == "25.00" and by_name["trl2"]["warm steps"] == "25.00 24.00 26.00"
     assert by_name["broken:grpo-varlen-1gpu"]["s/step"] == "failed"
+    assert by_name["short:grpo-varlen-1gpu"]["s/step"] == "no warm step"
+    assert all(len(row) == len(head) for row in table)
 
 
 def test_the_command_prints_a_markdown_table_and_refuses_an_empty_folder(tmp_path):

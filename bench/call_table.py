@@ -2,7 +2,7 @@
 ours against every TRL run of the same call (issue 20: a comparison with a peer counts only within one call, and
 TRL's own step moved 15 % between two runs of one call in session 27, so each ratio is given against each TRL run).
 
-Per grpo sub-run: the median step over bench/w05.py's warm steps and their range, the phases' medians, the device
+Per grpo sub-run: bench/w05.py's median step over the warm steps and their range, the phases' medians, the device
 peak (nvidia-smi) and the trainer's, and whether it trained as the defaults do: the grad norm's range and the
 largest clip fraction over the steps after step 0 (from its metrics.jsonl), and the step-0 engine-vs-trainer
 log-prob gap. A fast run that trains differently (session 22's MPS share) shows on the same line.
@@ -12,7 +12,6 @@ log-prob gap. A fast run that trains differently (session 22's MPS share) shows 
 """
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -47,7 +46,8 @@ def training_check(run: dict) -> dict:
 
 
 def rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and one row per sub-run (failed ones and ones without a warm step are named, without numbers)."""
+    """Header and one row per grpo and TRL sub-run (failed ones and ones without a warm step are named, without
+    numbers); other kinds (standalone, verl) are left out."""
     trl = [r for r in runs if r.get("kind") == "trl" and r.get("median_warm_s")]
     head = ["sub-run", "s/step", "warm steps", "generate", "reference", "update", "wait", "device GiB", "trainer GiB",
             "grad norm", "clip max", "step-0 gap"] + [f"vs {t['label']}" for t in trl]
@@ -66,7 +66,7 @@ def rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
         if not r.get("warm_steps"):  # ran, but too few steps for bench/w05.py to count one as warm
             table.append([r["label"], "no warm step"] + [""] * (len(head) - 2))
             continue
-        step = statistics.median(r["warm_steps"])
+        step = r["step_s"]  # bench/w05.py's median over the warm steps
         check = training_check(r)
         gn, clip, gap = check.get("grad_norm"), check.get("clip_max"), r.get("logprob_gap_mean")
         f = lambda k: f"{r[k]:.2f}" if isinstance(r.get(k), (int, float)) else ""  # noqa: E731

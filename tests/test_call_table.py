@@ -21,7 +21,8 @@ def write_call(folder: Path) -> None:
                      "median_warm_s": 21.0, "gpu_mem_peak_gib": 52.8}])
     summary("trl2", [{"name": "trl-1gpu", "kind": "trl", "ok": True, "steps": [30.0, 25.0, 24.0, 26.0],
                       "median_warm_s": 25.0, "gpu_mem_peak_gib": 52.9}])
-    d = summary("fast", [{"name": "async-varlen-1gpu", "kind": "grpo", "ok": True, "warm_steps": [5.0, 8.5, 6.0],
+    d = summary("fast", [{"name": "async-varlen-1gpu", "kind": "grpo", "ok": True, "step_s": 6.0,
+                          "warm_steps": [5.0, 8.5, 6.0],
                           "generate_s": 4.5, "ref_logp_s": 1.5, "update_s": 3.5, "wait_rollout_s": 0.0,
                           "gpu_mem_peak_gib": 45.6, "peak_mem_gib": 23.1, "logprob_gap_mean": 0.007}])
     rows = [{"step": 0, "train/grad_norm": 99.0, "train/clip_frac": 0.5},  # step 0 is left out of the check
@@ -39,7 +40,7 @@ def test_each_of_ours_is_set_against_every_trl_run_of_the_call(tmp_path):
     assert head[-2:] == ["vs trl", "vs trl2"]
     by_name = {row[0]: dict(zip(head, row)) for row in table}
     fast = by_name["fast:async-varlen-1gpu"]
-    # median of the warm steps (6.0), not their mean; each TRL run's own median over ours
+    # bench/w05.py's median step (6.0), its warm steps' range; each TRL run's own median over ours
     assert (fast["s/step"], fast["warm steps"], fast["vs trl"], fast["vs trl2"]) == ("6.00", "5.00-8.50", "3.50x", "4.17x")
     assert (fast["grad norm"], fast["clip max"], fast["step-0 gap"]) == ("0.400-0.420", "0.0100", "0.00700")
     assert (fast["reference"], fast["update"], fast["device GiB"], fast["trainer GiB"]) == ("1.50", "3.50", "45.6", "23.1")

@@ -5,7 +5,9 @@ TRL's own step moved 15 % between two runs of one call in session 27, so each ra
 Per grpo sub-run: bench/w05.py's median step over the warm steps and their range, the phases' medians, the device
 peak (nvidia-smi) and the trainer's, and whether it trained as the defaults do: the grad norm's range and the
 largest clip fraction over the steps after step 0 (from its metrics.jsonl), and the step-0 engine-vs-trainer
-log-prob gap. A fast run that trains differently (session 22's MPS share) shows on the same line.
+log-prob gap. A fast run that trains differently (session 22's MPS share) shows on the same line. The last column
+checks issue 20's W05 goal for the run: its step at most --goal-step seconds, at least --goal-ratio times faster
+than every TRL run of the call, and a device peak no higher than any TRL run's; "met", or what misses.
 
     python bench/call_table.py docs/results/session27                # every <sub-run>/w05-0.5b/summary.json below
     python bench/call_table.py docs/results/session27 --markdown     # the same as a markdown table
@@ -45,12 +47,28 @@ def training_check(run: dict) -> dict:
     return {"grad_norm": (min(norms), max(norms)) if norms else None, "clip_max": max(clips) if clips else None}
 
 
-def rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
+def goal(step: float, device_gib: float, trl: list[dict], goal_step: float, goal_ratio: float) -> str:
+    """"met", or each part of the goal the run misses: the step over goal_step, the smallest ratio to a TRL run
+    under goal_ratio (none without a TRL run in the call), the device peak over the lowest TRL run's."""
+    misses = [f"{step:.3f} s > {goal_step:g} s"] if step > goal_step else []
+    ratio = min((t["median_warm_s"] / step for t in trl), default=None)
+    if ratio is None:
+        misses.append("no TRL run in the call")
+    elif ratio < goal_ratio:
+        misses.append(f"{ratio:.3f}x < {goal_ratio:g}x")
+    trl_peak = min((t["gpu_mem_peak_gib"] for t in trl if t.get("gpu_mem_peak_gib")), default=None)
+    if trl_peak is not None and device_gib > trl_peak:
+        misses.append(f"device {device_gib:.1f} GiB > TRL's {trl_peak:.1f}")
+    return "; ".join(misses) or "met"
+
+
+def rows(runs: list[dict], goal_step: float = 6.3, goal_ratio: float = 3.5) -> tuple[list[str], list[list[str]]]:
     """Header and one row per grpo and TRL sub-run (failed ones and ones without a warm step are named, without
     numbers); other kinds (standalone, verl) are left out."""
     trl = [r for r in runs if r.get("kind") == "trl" and r.get("median_warm_s")]
     head = ["sub-run", "s/step", "warm steps", "generate", "reference", "update", "wait", "device GiB", "trainer GiB",
-            "grad norm", "clip max", "step-0 gap"] + [f"vs {t['label']}" for t in trl]
+            "grad norm", "clip max", "step-0 gap"] + [f"vs {t['label']}" for t in trl] + [
+            f"goal (<= {goal_step:g} s, >= {goal_ratio:g}x every TRL, device <= TRL)"]
     table = []
     for r in runs:
         if not r.get("ok", True):
@@ -59,7 +77,7 @@ def rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
         if r.get("kind") == "trl":
             steps = r.get("steps") or []
             table.append([r["label"], f"{r['median_warm_s']:.2f}", " ".join(f"{s:.2f}" for s in steps[1:]), "", "", "",
-                          "", f"{r.get('gpu_mem_peak_gib', 0):.1f}", "", "", "", ""] + [""] * len(trl))
+                          "", f"{r.get('gpu_mem_peak_gib', 0):.1f}", "", "", "", ""] + [""] * (len(trl) + 1))
             continue
         if r.get("kind") != "grpo":
             continue
@@ -75,7 +93,8 @@ def rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
                       f"{r.get('gpu_mem_peak_gib', 0):.1f}", f"{r.get('peak_mem_gib', 0):.1f}",
                       f"{gn[0]:.3f}-{gn[1]:.3f}" if gn else "", f"{clip:.4f}" if clip is not None else "",
                       f"{gap:.5f}" if gap is not None else ""]
-                     + [f"{t['median_warm_s'] / step:.2f}x" for t in trl])
+                     + [f"{t['median_warm_s'] / step:.2f}x" for t in trl]
+                     + [goal(step, r.get("gpu_mem_peak_gib", 0), trl, goal_step, goal_ratio)])
     return head, table
 
 
@@ -91,12 +110,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", type=Path, help="a device call's results (one folder per sub-run, as bench/w05.py's OUT)")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--goal-step", type=float, default=6.3, help="seconds per step the goal column asks for")
+    ap.add_argument("--goal-ratio", type=float, default=3.5, help="times TRL's step (every TRL run of the call)")
     a = ap.parse_args()
     runs = load(a.folder)
     if not runs:
         raise SystemExit(f"no bench/w05.py summary.json below {a.folder}: give the folder its sub-runs wrote to "
                          f"(each sub-run's OUT, e.g. docs/results/session27)")
-    print(render(*rows(runs), a.markdown))
+    print(render(*rows(runs, a.goal_step, a.goal_ratio), a.markdown))
 
 
 if __name__ == "__main__":

@@ -37,13 +37,14 @@ def write_call(folder: Path) -> None:
 def test_each_of_ours_is_set_against_every_trl_run_of_the_call(tmp_path):
     write_call(tmp_path)
     head, table = C.rows(C.load(tmp_path))
-    assert head[-2:] == ["vs trl", "vs trl2"]
+    assert head[-3:-1] == ["vs trl", "vs trl2"] and head[-1].startswith("goal (<= 6.3 s, >= 3.5x")
     by_name = {row[0]: dict(zip(head, row)) for row in table}
     fast = by_name["fast:async-varlen-1gpu"]
     # bench/w05.py's median step (6.0), its warm steps' range; each TRL run's own median over ours
     assert (fast["s/step"], fast["warm steps"], fast["vs trl"], fast["vs trl2"]) == ("6.00", "5.00-8.50", "3.50x", "4.17x")
     assert (fast["grad norm"], fast["clip max"], fast["step-0 gap"]) == ("0.400-0.420", "0.0100", "0.00700")
     assert (fast["reference"], fast["update"], fast["device GiB"], fast["trainer GiB"]) == ("1.50", "3.50", "45.6", "23.1")
+    assert fast[head[-1]] == "met"  # 6.0 s, 3.50x and 4.17x, 45.6 GiB under both TRL runs' 52.8 and 52.9
     assert by_name["trl2"]["s/step"] == "25.00" and by_name["trl2"]["warm steps"] == "25.00 24.00 26.00"
     assert by_name["broken:grpo-varlen-1gpu"]["s/step"] == "failed"
     assert by_name["short:grpo-varlen-1gpu"]["s/step"] == "no warm step"
@@ -60,3 +61,12 @@ def test_the_command_prints_a_markdown_table_and_refuses_an_empty_folder(tmp_pat
     r = subprocess.run([sys.executable, str(ROOT / "bench/call_table.py"), str(tmp_path / "empty")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "no bench/w05.py summary.json below" in r.stderr
+
+
+def test_the_goal_column_names_each_part_a_run_misses():
+    trl = [{"median_warm_s": 21.0, "gpu_mem_peak_gib": 52.8}, {"median_warm_s": 25.0, "gpu_mem_peak_gib": 52.9}]
+    assert C.goal(6.0, 45.6, trl, 6.3, 3.5) == "met"
+    # just over the step (printed so that it does not read as 6.30 <= 6.3), under 3.5x one TRL run, over its memory
+    assert C.goal(6.3017, 62.1, trl, 6.3, 3.5) == "6.302 s > 6.3 s; 3.332x < 3.5x; device 62.1 GiB > TRL's 52.8"
+    assert C.goal(6.0, 45.6, [], 6.3, 3.5) == "no TRL run in the call"  # no ratio without a peer in the same call
+    assert C.goal(7.0, 45.6, trl, 7.5, 3.0) == "met"  # the thresholds are the caller's

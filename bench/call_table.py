@@ -20,6 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/call_table.py` from anywhere
 from bench.w05 import SHAPES  # noqa: E402
 
+GOAL_STEP, GOAL_RATIO = 6.3, 3.5  # issue 20's W05 goal: seconds per step, times every TRL run's step of the call
+
 
 def load(folder: Path) -> list[dict]:
     """Every sub-run of every summary.json below `folder`, with `label` (the summary's folder relative to `folder`,
@@ -47,25 +49,29 @@ def training_check(run: dict) -> dict:
     return {"grad_norm": (min(norms), max(norms)) if norms else None, "clip_max": max(clips) if clips else None}
 
 
-def goal(step: float, device_gib: float, trl: list[dict], goal_step: float, goal_ratio: float) -> str:
-    """"met", or each part of the goal the run misses: the step over goal_step, the smallest ratio to a TRL run
-    under goal_ratio (none without a TRL run in the call), the device peak over the lowest TRL run's."""
+def goal(step: float, ratios: list[float], device_gib: float | None, trl_peak: float | None,
+         goal_step: float = GOAL_STEP, goal_ratio: float = GOAL_RATIO) -> str:
+    """"met", or each part of the goal the run misses: the step over goal_step, the smallest of its ratios to the
+    call's TRL runs under goal_ratio (none without a TRL run), its device peak over trl_peak (the lowest TRL run's;
+    a peak not recorded on either side is named, not passed)."""
     misses = [f"{step:.3f} s > {goal_step:g} s"] if step > goal_step else []
-    ratio = min((t["median_warm_s"] / step for t in trl), default=None)
-    if ratio is None:
+    if not ratios:
         misses.append("no TRL run in the call")
-    elif ratio < goal_ratio:
-        misses.append(f"{ratio:.3f}x < {goal_ratio:g}x")
-    trl_peak = min((t["gpu_mem_peak_gib"] for t in trl if t.get("gpu_mem_peak_gib")), default=None)
-    if trl_peak is not None and device_gib > trl_peak:
+    elif min(ratios) < goal_ratio:
+        misses.append(f"{min(ratios):.3f}x < {goal_ratio:g}x")
+    if device_gib is None or trl_peak is None:
+        misses.append("device peak not recorded")
+    elif device_gib > trl_peak:
         misses.append(f"device {device_gib:.1f} GiB > TRL's {trl_peak:.1f}")
     return "; ".join(misses) or "met"
 
 
-def rows(runs: list[dict], goal_step: float = 6.3, goal_ratio: float = 3.5) -> tuple[list[str], list[list[str]]]:
+def rows(runs: list[dict], goal_step: float = GOAL_STEP,
+         goal_ratio: float = GOAL_RATIO) -> tuple[list[str], list[list[str]]]:
     """Header and one row per grpo and TRL sub-run (failed ones and ones without a warm step are named, without
     numbers); other kinds (standalone, verl) are left out."""
     trl = [r for r in runs if r.get("kind") == "trl" and r.get("median_warm_s")]
+    trl_peak = min((t["gpu_mem_peak_gib"] for t in trl if t.get("gpu_mem_peak_gib")), default=None)
     head = ["sub-run", "s/step", "warm steps", "generate", "reference", "update", "wait", "device GiB", "trainer GiB",
             "grad norm", "clip max", "step-0 gap"] + [f"vs {t['label']}" for t in trl] + [
             f"goal (<= {goal_step:g} s, >= {goal_ratio:g}x every TRL, device <= TRL)"]
@@ -88,13 +94,14 @@ def rows(runs: list[dict], goal_step: float = 6.3, goal_ratio: float = 3.5) -> t
         check = training_check(r)
         gn, clip, gap = check.get("grad_norm"), check.get("clip_max"), r.get("logprob_gap_mean")
         f = lambda k: f"{r[k]:.2f}" if isinstance(r.get(k), (int, float)) else ""  # noqa: E731
+        ratios = [t["median_warm_s"] / step for t in trl]
         table.append([r["label"], f"{step:.2f}", f"{min(r['warm_steps']):.2f}-{max(r['warm_steps']):.2f}",
                       f("generate_s"), f("ref_logp_s"), f("update_s"), f("wait_rollout_s"),
                       f"{r.get('gpu_mem_peak_gib', 0):.1f}", f"{r.get('peak_mem_gib', 0):.1f}",
                       f"{gn[0]:.3f}-{gn[1]:.3f}" if gn else "", f"{clip:.4f}" if clip is not None else "",
                       f"{gap:.5f}" if gap is not None else ""]
-                     + [f"{t['median_warm_s'] / step:.2f}x" for t in trl]
-                     + [goal(step, r.get("gpu_mem_peak_gib", 0), trl, goal_step, goal_ratio)])
+                     + [f"{x:.2f}x" for x in ratios]
+                     + [goal(step, ratios, r.get("gpu_mem_peak_gib"), trl_peak, goal_step, goal_ratio)])
     return head, table
 
 
@@ -110,8 +117,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", type=Path, help="a device call's results (one folder per sub-run, as bench/w05.py's OUT)")
     ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--goal-step", type=float, default=6.3, help="seconds per step the goal column asks for")
-    ap.add_argument("--goal-ratio", type=float, default=3.5, help="times TRL's step (every TRL run of the call)")
+    ap.add_argument("--goal-step", type=float, default=GOAL_STEP, help="seconds per step the goal column asks for")
+    ap.add_argument("--goal-ratio", type=float, default=GOAL_RATIO, help="times TRL's step (every TRL run of the call)")
     a = ap.parse_args()
     runs = load(a.folder)
     if not runs:

@@ -64,9 +64,11 @@ def test_the_command_prints_a_markdown_table_and_refuses_an_empty_folder(tmp_pat
 
 
 def test_the_goal_column_names_each_part_a_run_misses():
-    trl = [{"median_warm_s": 21.0, "gpu_mem_peak_gib": 52.8}, {"median_warm_s": 25.0, "gpu_mem_peak_gib": 52.9}]
-    assert C.goal(6.0, 45.6, trl, 6.3, 3.5) == "met"
+    ratios = [21.0 / 6.3017, 25.0 / 6.3017]  # against two TRL runs of the call, whose lower device peak is 52.8
+    assert C.goal(6.0, [3.5, 4.17], 45.6, 52.8) == "met"
     # just over the step (printed so that it does not read as 6.30 <= 6.3), under 3.5x one TRL run, over its memory
-    assert C.goal(6.3017, 62.1, trl, 6.3, 3.5) == "6.302 s > 6.3 s; 3.332x < 3.5x; device 62.1 GiB > TRL's 52.8"
-    assert C.goal(6.0, 45.6, [], 6.3, 3.5) == "no TRL run in the call"  # no ratio without a peer in the same call
-    assert C.goal(7.0, 45.6, trl, 7.5, 3.0) == "met"  # the thresholds are the caller's
+    assert C.goal(6.3017, ratios, 62.1, 52.8) == "6.302 s > 6.3 s; 3.332x < 3.5x; device 62.1 GiB > TRL's 52.8"
+    assert C.goal(6.0, [], 45.6, 52.8) == "no TRL run in the call"  # no ratio without a peer in the same call
+    assert C.goal(6.0, [3.5], None, 52.8) == "device peak not recorded"  # a missing peak is named, not passed
+    assert C.goal(6.0, [3.5], 45.6, None) == "device peak not recorded"
+    assert C.goal(7.0, [3.0], 45.6, 52.8, goal_step=7.5, goal_ratio=3.0) == "met"  # the thresholds are the caller's

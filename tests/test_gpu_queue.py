@@ -72,3 +72,68 @@ def test_linger_starts_a_job_appended_after_the_queue_went_idle(tmp_path):
         runner.wait(timeout=10)
     status = [line.split(" ", 1)[1] for line in (logs / "status").read_text().splitlines()]
     assert status[:3] == ["start first (gpu 0)", "end first rc=0", "queue idle"] and "start later (gpu 0)" in status
+
+
+def script_argvs(cmd: str) -> list[tuple[str, list[str]]]:
+    """(script, its flags) for each training command in one queue job: bench/w05.py and bench/w7b.sh (when `--only`
+    names grpo, as it does by default) pass `--grpo-extra` (split on whitespace, as bench/w05.py does) to `--script` (grpo.py unless named); a torchrun line
+    passes the words after the script's name, up to the end of that shell command."""
+    import shlex
+    lex = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    words, out = list(lex), []
+    commands, cur = [], []
+    for w in words:
+        if w in (";", "&&", "||", "|"):
+            commands.append(cur)
+            cur = []
+        else:
+            cur.append(w)
+    commands.append(cur)
+    for c in commands:
+        if any(w in ("bench/w05.py", "bench/w7b.sh") for w in c):
+            opt = {}
+            for i, w in enumerate(c):
+                key, eq, val = w.partition("=")
+                if key in ("--script", "--grpo-extra", "--only"):
+                    opt[key] = val if eq else c[i + 1]
+            if "grpo" not in opt.get("--only", "grpo").split(","):
+                continue  # a TRL or verl sub-run only
+            out.append((opt.get("--script", "grpo.py"), opt.get("--grpo-extra", "").split()))
+        elif "torchrun" in c:
+            i = next(i for i, w in enumerate(c) if w.endswith(".py"))
+            out.append((c[i], c[i + 1:]))
+    return out
+
+
+def test_script_argvs_reads_the_queue_forms():
+    cmd = ("OUT=$L/a python3 bench/w05.py --nproc 1 --script grpo_async.py --grpo-extra '--vllm.llm-kwargs "
+           "{\"a\":1} --vllm.verbose'; rc=$?; exit $rc")
+    assert script_argvs(cmd) == [("grpo_async.py", ["--vllm.llm-kwargs", '{"a":1}', "--vllm.verbose"])]
+    assert script_argvs("bash bench/w7b.sh --only grpo --grpo-extra=--fsdp.cpu-offload") == \
+        [("grpo.py", ["--fsdp.cpu-offload"])]
+    assert script_argvs("python3 bench/w05.py --nproc 1 --only trl --trl") == []
+    assert script_argvs("until [ -f x ]; do sleep 2; done; torchrun --nproc_per_node=8 grpo.py --num-steps 5; ls") == \
+        [("grpo.py", ["--num-steps", "5"])]
+
+
+def test_the_queues_still_to_run_parse_with_their_scripts(monkeypatch):
+    """Every training command in dev/queues/next.txt, x2.txt and x8.txt (the queues a coming GPU session runs) parses
+    with its script's flags and passes the engine-flag checks that run before any engine starts: a renamed flag or a
+    bad --vllm.llm-kwargs would otherwise be found on the GPU machine, with its 30 device-minutes running."""
+    import importlib
+    from common.args import cli
+    from common.engine_process import check_engine_args
+    seen = 0
+    for name in ("next.txt", "x2.txt", "x8.txt"):
+        for job, _, cmd in read_queue(ROOT / "dev" / "queues" / name):
+            for script, argv in script_argvs(cmd):
+                module = importlib.import_module(script.removesuffix(".py"))
+                monkeypatch.setattr(sys, "argv", [script, *argv])
+                try:
+                    args = cli(module.Args)
+                    check_engine_args(args.vllm)
+                except (SystemExit, ValueError) as e:
+                    raise AssertionError(f"dev/queues/{name}, job {job}: {script} {' '.join(argv)}: {e!r}") from e
+                seen += 1
+    assert seen >= 12  # next.txt's grpo runs, x2.txt's and x8.txt's: the parser found the commands

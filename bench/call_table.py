@@ -9,11 +9,16 @@ log-prob gap. A fast run that trains differently (session 22's MPS share) shows 
 checks issue 20's W05 goal for the run: its step at most --goal-step seconds, at least --goal-ratio times faster
 than every TRL run of the call, and a device peak no higher than any TRL run's; "met", or what misses.
 
+Where the folder holds the queue's `status` file (dev/gpu_queue.py: "HH:MM:SS start JOB (gpu G)" lines), the rows
+come in the order the jobs started, with a "start" column (the device's clock): a drift of the machine's speed over
+the call (session 29's slow first minutes) then shows down the table.
+
     python bench/call_table.py docs/results/session27                # every <sub-run>/w05-0.5b/summary.json below
     python bench/call_table.py docs/results/session27 --markdown     # the same as a markdown table
 """
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -23,17 +28,33 @@ from bench.w05 import SHAPES  # noqa: E402
 GOAL_STEP, GOAL_RATIO = 6.3, 3.5  # issue 20's W05 goal: seconds per step, times every TRL run's step of the call
 
 
+def job_starts(folder: Path) -> dict[str, str]:
+    """Each queue job's start time ("HH:MM:SS", the device's clock) from the `status` file dev/gpu_queue.py writes,
+    copied beside the sub-runs; {} without one."""
+    status = folder / "status"
+    if not status.exists():
+        return {}
+    starts = {}
+    for line in status.read_text().splitlines():
+        m = re.match(r"(\d\d:\d\d:\d\d) start (\S+) ", line)
+        if m:
+            starts.setdefault(m.group(2), m.group(1))
+    return starts
+
+
 def load(folder: Path) -> list[dict]:
     """Every sub-run of every summary.json below `folder`, with `label` (the summary's folder relative to `folder`,
-    without bench/w05.py's shape folder) and `summary` (its path); the build step is left out."""
-    out = []
+    without bench/w05.py's shape folder), `summary` (its path) and `start` (its queue job's start, or None); the build
+    step is left out. In the order the jobs started where the queue's status file says, else by folder name."""
+    out, starts = [], job_starts(folder)
     for p in sorted(folder.rglob("summary.json")):
         label = p.parent.relative_to(folder)
+        start = starts.get(label.parts[0])
         label = str(label.parent if label.name in {f"w05-{shape}" for shape in SHAPES} else label)
         for run in json.loads(p.read_text()).get("runs", [])[1:]:
             out.append(dict(run, label=label if run.get("kind") == "trl" else f"{label}:{run['name']}",
-                            summary=p))
-    return out
+                            summary=p, start=start))
+    return sorted(out, key=lambda r: r["start"] or "~")  # stable: by folder name within a job and without a status
 
 
 def training_check(run: dict) -> dict:
@@ -72,34 +93,37 @@ def rows(runs: list[dict], goal_step: float = GOAL_STEP,
     numbers); other kinds (standalone, verl) are left out."""
     trl = [r for r in runs if r.get("kind") == "trl" and r.get("median_warm_s")]
     trl_peak = min((t["gpu_mem_peak_gib"] for t in trl if t.get("gpu_mem_peak_gib")), default=None)
-    head = ["sub-run", "s/step", "warm steps", "generate", "reference", "update", "wait", "device GiB", "trainer GiB",
-            "grad norm", "clip max", "step-0 gap"] + [f"vs {t['label']}" for t in trl] + [
-            f"goal (<= {goal_step:g} s, >= {goal_ratio:g}x every TRL, device <= TRL)"]
+    timed = any(r.get("start") for r in runs)  # the queue's status file was there: a column of when each job started
+    lead = lambda r: [r["label"]] + ([r.get("start") or ""] if timed else [])  # noqa: E731
+    head = lead({"label": "sub-run", "start": "start"}) + [
+        "s/step", "warm steps", "generate", "reference", "update", "wait", "device GiB", "trainer GiB", "grad norm",
+        "clip max", "step-0 gap"] + [f"vs {t['label']}" for t in trl] + [
+        f"goal (<= {goal_step:g} s, >= {goal_ratio:g}x every TRL, device <= TRL)"]
     table = []
     for r in runs:
         if not r.get("ok", True):
-            table.append([r["label"], "failed"] + [""] * (len(head) - 2))
+            table.append(lead(r) + ["failed"] + [""] * (len(head) - len(lead(r)) - 1))
             continue
         if r.get("kind") == "trl":
             steps = r.get("steps") or []
-            table.append([r["label"], f"{r['median_warm_s']:.2f}", " ".join(f"{s:.2f}" for s in steps[1:]), "", "", "",
-                          "", f"{r.get('gpu_mem_peak_gib', 0):.1f}", "", "", "", ""] + [""] * (len(trl) + 1))
+            table.append(lead(r) + [f"{r['median_warm_s']:.2f}", " ".join(f"{s:.2f}" for s in steps[1:]), "", "", "",
+                                    "", f"{r.get('gpu_mem_peak_gib', 0):.1f}", "", "", "", ""] + [""] * (len(trl) + 1))
             continue
         if r.get("kind") != "grpo":
             continue
         if not r.get("warm_steps"):  # ran, but too few steps for bench/w05.py to count one as warm
-            table.append([r["label"], "no warm step"] + [""] * (len(head) - 2))
+            table.append(lead(r) + ["no warm step"] + [""] * (len(head) - len(lead(r)) - 1))
             continue
         step = r["step_s"]  # bench/w05.py's median over the warm steps
         check = training_check(r)
         gn, clip, gap = check.get("grad_norm"), check.get("clip_max"), r.get("logprob_gap_mean")
         f = lambda k: f"{r[k]:.2f}" if isinstance(r.get(k), (int, float)) else ""  # noqa: E731
         ratios = [t["median_warm_s"] / step for t in trl]
-        table.append([r["label"], f"{step:.2f}", f"{min(r['warm_steps']):.2f}-{max(r['warm_steps']):.2f}",
-                      f("generate_s"), f("ref_logp_s"), f("update_s"), f("wait_rollout_s"),
-                      f"{r.get('gpu_mem_peak_gib', 0):.1f}", f"{r.get('peak_mem_gib', 0):.1f}",
-                      f"{gn[0]:.3f}-{gn[1]:.3f}" if gn else "", f"{clip:.4f}" if clip is not None else "",
-                      f"{gap:.5f}" if gap is not None else ""]
+        table.append(lead(r) + [f"{step:.2f}", f"{min(r['warm_steps']):.2f}-{max(r['warm_steps']):.2f}",
+                                f("generate_s"), f("ref_logp_s"), f("update_s"), f("wait_rollout_s"),
+                                f"{r.get('gpu_mem_peak_gib', 0):.1f}", f"{r.get('peak_mem_gib', 0):.1f}",
+                                f"{gn[0]:.3f}-{gn[1]:.3f}" if gn else "", f"{clip:.4f}" if clip is not None else "",
+                                f"{gap:.5f}" if gap is not None else ""]
                      + [f"{x:.2f}x" for x in ratios]
                      + [goal(step, ratios, r.get("gpu_mem_peak_gib"), trl_peak, goal_step, goal_ratio)])
     return head, table

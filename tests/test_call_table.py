@@ -72,3 +72,21 @@ def test_the_goal_column_names_each_part_a_run_misses():
     assert C.goal(6.0, [3.5], None, 52.8) == "device peak not recorded"  # a missing peak is named, not passed
     assert C.goal(6.0, [3.5], 45.6, None) == "device peak not recorded"
     assert C.goal(7.0, [3.0], 45.6, 52.8, goal_step=7.5, goal_ratio=3.0) == "met"  # the thresholds are the caller's
+
+
+def test_the_queue_status_orders_the_rows_and_gives_each_its_start(tmp_path):
+    """With dev/gpu_queue.py's status file beside the sub-runs, rows follow the jobs' start order (not the folders'
+    names) with a "start" column, so a drift of the machine's speed over the call reads down the table; a job the
+    status does not name comes last, with no start."""
+    write_call(tmp_path)
+    (tmp_path / "status").write_text("10:00:00 start trl2 (gpu 0)\n10:04:00 end trl2 rc=0\n"
+                                      "10:04:00 start fast (gpu 0)\n10:07:00 end fast rc=0\n"
+                                      "10:07:00 start trl (gpu 0)\n10:09:00 start broken (gpu 0)\nqueue idle\n")
+    head, table = C.rows(C.load(tmp_path))
+    assert head[:3] == ["sub-run", "start", "s/step"] and all(len(row) == len(head) for row in table)
+    assert [(row[0], row[1]) for row in table] == [
+        ("trl2", "10:00:00"), ("fast:async-varlen-1gpu", "10:04:00"), ("trl", "10:07:00"),
+        ("broken:grpo-varlen-1gpu", "10:09:00"), ("short:grpo-varlen-1gpu", "")]
+    fast = dict(zip(head, table[1]))
+    assert (fast["s/step"], fast["vs trl2"], fast["vs trl"], fast[head[-1]]) == ("6.00", "4.17x", "3.50x", "met")
+    assert table[3][2] == "failed"

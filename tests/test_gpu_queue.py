@@ -76,8 +76,9 @@ def test_linger_starts_a_job_appended_after_the_queue_went_idle(tmp_path):
 
 def script_argvs(cmd: str) -> list[tuple[str, list[str]]]:
     """(script, its flags) for each training command in one queue job: bench/w05.py and bench/w7b.sh (when `--only`
-    names grpo, as it does by default) pass `--grpo-extra` (split on whitespace, as bench/w05.py does) to `--script` (grpo.py unless named); a torchrun line
-    passes the words after the script's name, up to the end of that shell command."""
+    names grpo, as it does by default) pass `--grpo-extra` (split on whitespace, as bench/w05.py does) to `--script`
+    (grpo.py unless named); a torchrun line passes the words after the script's name, up to the end of that shell
+    command."""
     import shlex
     lex = shlex.shlex(cmd, posix=True, punctuation_chars=True)
     lex.whitespace_split = True

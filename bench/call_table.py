@@ -13,6 +13,10 @@ Where the folder holds the queue's `status` file (dev/gpu_queue.py: "HH:MM:SS st
 come in the order the jobs started, with a "start" column (the device's clock): a drift of the machine's speed over
 the call (session 29's slow first minutes) then shows down the table.
 
+Below the table, issue 20's defaults goal where the call has both: each grpo.py run without tuning flags (no
+--grpo-extra beyond --vllm.verbose, no bench budget, the scripts' default fused loss) as a share of the speed of the
+call's fastest grpo.py run (the goal: >= 90 %).
+
     python bench/call_table.py docs/results/session27                # every <sub-run>/w05-0.5b/summary.json below
     python bench/call_table.py docs/results/session27 --markdown     # the same as a markdown table
 """
@@ -24,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/call_table.py` from anywhere
 from bench.w05 import SHAPES  # noqa: E402
+from common.args import RLArgs  # noqa: E402
 
 GOAL_STEP, GOAL_RATIO = 6.3, 3.5  # issue 20's W05 goal: seconds per step, times every TRL run's step of the call
 
@@ -51,9 +56,10 @@ def load(folder: Path) -> list[dict]:
         label = p.parent.relative_to(folder)
         start = starts.get(label.parts[0])
         label = str(label.parent if label.name in {f"w05-{shape}" for shape in SHAPES} else label)
-        for run in json.loads(p.read_text()).get("runs", [])[1:]:
+        summary = json.loads(p.read_text())
+        for run in summary.get("runs", [])[1:]:
             out.append(dict(run, label=label if run.get("kind") == "trl" else f"{label}:{run['name']}",
-                            summary=p, start=start))
+                            summary=p, start=start, argv=summary.get("argv", [])))
     return sorted(out, key=lambda r: r["start"] or "~")  # stable: by folder name within a job and without a status
 
 
@@ -129,6 +135,41 @@ def rows(runs: list[dict], goal_step: float = GOAL_STEP,
     return head, table
 
 
+NOT_TUNING = {"--vllm.verbose"}  # flags that change what is logged, not how fast the step runs
+
+
+def tuning_flags(run: dict) -> list[str]:
+    """The flags a grpo sub-run ran with beyond W05's shapes: bench/w05.py's --grpo-extra words (less NOT_TUNING),
+    its --max-tokens-per-microbatch, and the fused loss when bench/w05.py's --fused-loss set it against the scripts'
+    default (RLArgs.fused_loss)."""
+    argv, words = run.get("argv", []), []
+    for i, w in enumerate(argv):
+        key, eq, val = w.partition("=")
+        if key == "--grpo-extra":
+            words += (val if eq else argv[i + 1] if i + 1 < len(argv) else "").split()
+        elif key == "--max-tokens-per-microbatch":
+            words += [key, val if eq else argv[i + 1]]
+    fused = {"on": True, "off": False}.get(run.get("fused_loss"), RLArgs.fused_loss)
+    words += [] if fused == RLArgs.fused_loss else ["--fused-loss" if fused else "--no-fused-loss"]
+    return [w for w in words if w not in NOT_TUNING]
+
+
+def defaults_check(runs: list[dict], goal_share: float = 0.9) -> list[str]:
+    """Issue 20's defaults goal, one line per grpo.py run without tuning flags: its speed (1 / its median step; W05's
+    tokens per step are fixed) as a share of the call's fastest grpo.py run's; [] unless the call has a plain run
+    and a tuned one."""
+    ran = [r for r in runs if r.get("kind") == "grpo" and r.get("ok", True) and r.get("warm_steps")
+           and r.get("script", "grpo.py") == "grpo.py"]
+    plain = [r for r in ran if not tuning_flags(r)]
+    if not plain or len(plain) == len(ran):
+        return []
+    best = min(ran, key=lambda r: r["step_s"])
+    flags = " ".join(tuning_flags(best)) or "no tuning flag"
+    return [f"defaults: {r['label']} {r['step_s']:.2f} s/step = {best['step_s'] / r['step_s']:.0%} of the fastest "
+            f"grpo.py run's speed ({best['label']}, {best['step_s']:.2f} s, {flags}): "
+            f"{'met' if best['step_s'] / r['step_s'] >= goal_share else 'under'} {goal_share:.0%}" for r in plain]
+
+
 def render(head: list[str], table: list[list[str]], markdown: bool) -> str:
     if markdown:
         return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -149,6 +190,8 @@ def main():
         raise SystemExit(f"no bench/w05.py summary.json below {a.folder}: give the folder its sub-runs wrote to "
                          f"(each sub-run's OUT, e.g. docs/results/session27)")
     print(render(*rows(runs, a.goal_step, a.goal_ratio), a.markdown))
+    for line in defaults_check(runs):
+        print(("\n" if a.markdown else "") + line)
 
 
 if __name__ == "__main__":

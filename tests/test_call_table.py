@@ -90,3 +90,34 @@ def test_the_queue_status_orders_the_rows_and_gives_each_its_start(tmp_path):
     fast = dict(zip(head, table[1]))
     assert (fast["s/step"], fast["vs trl2"], fast["vs trl"], fast[head[-1]]) == ("6.00", "4.17x", "3.50x", "met")
     assert table[3][2] == "failed"
+
+
+def test_the_defaults_line_sets_each_plain_grpo_run_against_the_fastest(tmp_path):
+    """Issue 20's defaults goal: a grpo.py run without tuning flags (--vllm.verbose only logs; the bench's fused-loss
+    variant that equals the scripts' default is no flag) against the call's fastest grpo.py run; grpo_async.py runs
+    and a call without a tuned run give no line."""
+    def sub(name: str, step: float, extra: str | None, script: str = "grpo.py", fused: str | None = None) -> None:
+        d = tmp_path / name / "w05-0.5b"
+        d.mkdir(parents=True)
+        argv = ["bench/w05.py", "--nproc", "1"] + (["--grpo-extra", extra] if extra is not None else [])
+        run = {"name": "grpo-varlen-1gpu", "kind": "grpo", "ok": True, "script": script, "step_s": step,
+               "warm_steps": [step], "fused_loss": fused}
+        (d / "summary.json").write_text(json.dumps({"argv": argv, "runs": [{"name": "build"}, run]}))
+
+    sub("plain", 10.0, None)
+    sub("verbose", 9.5, "--vllm.verbose", fused="on" if C.RLArgs.fused_loss else "off")
+    assert C.defaults_check(C.load(tmp_path)) == []  # no tuned grpo.py run in the call: nothing to compare with
+    sub("m4", 8.5, "--vllm.own-process --vllm.num-engines 4 --vllm.verbose")
+    sub("unfused", 8.0, None, fused="off" if C.RLArgs.fused_loss else "on")  # a tuned run: the other loss path
+    sub("async", 6.0, "--vllm.num-engines 2", script="grpo_async.py")  # another script: not grpo.py's best flags
+    lines = C.defaults_check(C.load(tmp_path))
+    assert len(lines) == 2 and all("of the fastest grpo.py run's speed (unfused:grpo-varlen-1gpu, 8.00 s," in x
+                                   for x in lines)
+    assert lines[0].startswith("defaults: plain:grpo-varlen-1gpu 10.00 s/step = 80% ")
+    assert lines[0].endswith("under 90%")
+    assert lines[1].startswith("defaults: verbose:grpo-varlen-1gpu 9.50 s/step = 84% ")
+    assert C.tuning_flags(C.load(tmp_path / "m4")[0]) == ["--vllm.own-process", "--vllm.num-engines", "4"]
+    sub("plain2", 8.8, None)  # 8.0 / 8.8 = 91 %
+    other_loss = "--no-fused-loss" if C.RLArgs.fused_loss else "--fused-loss"
+    assert C.defaults_check(C.load(tmp_path))[1].endswith(
+        f"= 91% of the fastest grpo.py run's speed (unfused:grpo-varlen-1gpu, 8.00 s, {other_loss}): met 90%")

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/call_table.py` from anywhere
-from bench.w05 import SHAPES  # noqa: E402
+from bench.w05 import SHAPES, parse_args  # noqa: E402
 from common.args import RLArgs  # noqa: E402
 
 GOAL_STEP, GOAL_RATIO = 6.3, 3.5  # issue 20's W05 goal: seconds per step, times every TRL run's step of the call
@@ -139,16 +139,12 @@ NOT_TUNING = {"--vllm.verbose"}  # flags that change what is logged, not how fas
 
 
 def tuning_flags(run: dict) -> list[str]:
-    """The flags a grpo sub-run ran with beyond W05's shapes: bench/w05.py's --grpo-extra words (less NOT_TUNING),
-    its --max-tokens-per-microbatch, and the fused loss when bench/w05.py's --fused-loss set it against the scripts'
-    default (RLArgs.fused_loss)."""
-    argv, words = run.get("argv", []), []
-    for i, w in enumerate(argv):
-        key, eq, val = w.partition("=")
-        if key == "--grpo-extra":
-            words += (val if eq else argv[i + 1] if i + 1 < len(argv) else "").split()
-        elif key == "--max-tokens-per-microbatch":
-            words += [key, val if eq else argv[i + 1]]
+    """The flags a grpo sub-run ran with beyond W05's shapes: its bench/w05.py command's --grpo-extra words (less
+    NOT_TUNING) and --max-tokens-per-microbatch, read by bench/w05.py's own parser, and the fused loss when
+    bench/w05.py's --fused-loss set it against the scripts' default (RLArgs.fused_loss)."""
+    a = parse_args(run.get("argv", [])[1:])
+    words = a.grpo_extra.split() + (["--max-tokens-per-microbatch", str(a.max_tokens_per_microbatch)]
+                                    if a.max_tokens_per_microbatch else [])
     fused = {"on": True, "off": False}.get(run.get("fused_loss"), RLArgs.fused_loss)
     words += [] if fused == RLArgs.fused_loss else ["--fused-loss" if fused else "--no-fused-loss"]
     return [w for w in words if w not in NOT_TUNING]
@@ -165,9 +161,10 @@ def defaults_check(runs: list[dict], goal_share: float = 0.9) -> list[str]:
         return []
     best = min(ran, key=lambda r: r["step_s"])
     flags = " ".join(tuning_flags(best)) or "no tuning flag"
-    return [f"defaults: {r['label']} {r['step_s']:.2f} s/step = {best['step_s'] / r['step_s']:.0%} of the fastest "
-            f"grpo.py run's speed ({best['label']}, {best['step_s']:.2f} s, {flags}): "
-            f"{'met' if best['step_s'] / r['step_s'] >= goal_share else 'under'} {goal_share:.0%}" for r in plain]
+    shares = [(r, best["step_s"] / r["step_s"]) for r in plain]
+    return [f"defaults: {r['label']} {r['step_s']:.2f} s/step = {share:.0%} of the fastest grpo.py run's speed "
+            f"({best['label']}, {best['step_s']:.2f} s, {flags}): {'met' if share >= goal_share else 'under'} "
+            f"{goal_share:.0%}" for r, share in shares]
 
 
 def render(head: list[str], table: list[list[str]], markdown: bool) -> str:

@@ -241,7 +241,9 @@ def verl_cmd(a: argparse.Namespace, py: str, model: Path, prompts: Path, out: Pa
         + (["--site", a.verl_site] if a.verl_site else []) + (["--extra", a.verl_extra] if a.verl_extra else [])
 
 
-def main():
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """This script's flags from argv (without the program name); bench/call_table.py and the queue test read a run's
+    recorded argv through it."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer-tar", default=str(ROOT / ".bench" / "qwen2.5-tokenizer.tar.xz"))
     ap.add_argument("--gsm8k", default=None, help="GSM8K train.jsonl (default: random-token prompts)")
@@ -277,11 +279,15 @@ def main():
     ap.add_argument("--pool", nargs="+", metavar="SUMMARY", help="run nothing: pool the grpo runs of these "
                     "summary.json files (each file's rounds kept apart) and print the scaling and phase medians")
     ap.add_argument("--setup-only", action="store_true", help=argparse.SUPPRESS)  # the build sub-run
-    argv = sys.argv[1:]  # `--grpo-extra "--flag ..."`: argparse would take the value for an option of its own
+    argv = list(argv)  # `--grpo-extra "--flag ..."`: argparse would take the value for an option of its own
     for i in range(len(argv) - 1):
         if argv[i] == "--grpo-extra":
             argv[i:i + 2] = [f"--grpo-extra={argv[i + 1]}", ""]
-    a = ap.parse_args([x for x in argv if x != ""])
+    return ap.parse_args([x for x in argv if x != ""])
+
+
+def main():
+    a = parse_args(sys.argv[1:])
     if a.setup_only:
         return setup(a)
     if a.pool:

@@ -8,6 +8,8 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "dev"))
 from gpu_queue import read_queue, runnable  # noqa: E402
 
+from bench.w05 import parse_args  # noqa: E402
+
 
 def test_runnable_keeps_file_order_per_gpu():
     jobs = [("a", frozenset("0"), "x"), ("both", frozenset({"0", "1"}), "x"), ("b", frozenset("1"), "x")]
@@ -77,8 +79,8 @@ def test_linger_starts_a_job_appended_after_the_queue_went_idle(tmp_path):
 def script_argvs(cmd: str) -> list[tuple[str, list[str]]]:
     """(script, its flags) for each training command in one queue job: bench/w05.py and bench/w7b.sh (when `--only`
     names grpo, as it does by default) pass `--grpo-extra` (split on whitespace, as bench/w05.py does) to `--script`
-    (grpo.py unless named); a torchrun line passes the words after the script's name, up to the end of that shell
-    command."""
+    (grpo.py unless named), read by bench/w05.py's own parser; a torchrun line passes the words after the script's
+    name, up to the end of that shell command."""
     import shlex
     lex = shlex.shlex(cmd, posix=True, punctuation_chars=True)
     lex.whitespace_split = True
@@ -92,15 +94,11 @@ def script_argvs(cmd: str) -> list[tuple[str, list[str]]]:
             cur.append(w)
     commands.append(cur)
     for c in commands:
-        if any(w in ("bench/w05.py", "bench/w7b.sh") for w in c):
-            opt = {}
-            for i, w in enumerate(c):
-                key, eq, val = w.partition("=")
-                if key in ("--script", "--grpo-extra", "--only"):
-                    opt[key] = val if eq else c[i + 1]
-            if "grpo" not in opt.get("--only", "grpo").split(","):
-                continue  # a TRL or verl sub-run only
-            out.append((opt.get("--script", "grpo.py"), opt.get("--grpo-extra", "").split()))
+        bench = next((i for i, w in enumerate(c) if w in ("bench/w05.py", "bench/w7b.sh")), None)
+        if bench is not None:  # bench/w7b.sh passes its flags on to bench/w05.py
+            a = parse_args(c[bench + 1:])
+            if "grpo" in a.only.split(","):  # else a TRL or verl sub-run only
+                out.append((a.script, a.grpo_extra.split()))
         elif "torchrun" in c:
             i = next(i for i, w in enumerate(c) if w.endswith(".py"))
             out.append((c[i], c[i + 1:]))

@@ -20,6 +20,8 @@ same batch sooner while the GPU, mostly idle under one loop, serves them all. Re
 index in the whole batch (generate's first_request), so the samples do not depend on how the batch is cut.
 The children start at once (their imports side by side: ~30 s each on session 17's host) and build their engines
 one after the other (vLLM measures the GPU's free memory while it builds).
+--vllm.num-engines 0 (auto) picks the count at start (resolve_num_engines): several engines in processes of their
+own for a small model on a GPU, one in the rank's process otherwise (auto_engine_count says when).
 """
 import atexit
 import os
@@ -30,6 +32,7 @@ from dataclasses import replace
 import torch
 import torch.multiprocessing as mp
 
+from common.flops import weight_count
 from common.rollout import Rollout
 from common.vllm_engine import DTYPES, bucket_by_bytes, extra_llm_kwargs
 
@@ -41,12 +44,62 @@ def check_engine_args(vllm_args) -> None:
     """--vllm.engine-gpu and --vllm.num-engines place engines in processes of their own: without --vllm.own-process
     they would do nothing. --vllm.llm-kwargs is read here too, so a bad one stops the run before any engine starts."""
     extra_llm_kwargs(vllm_args.llm_kwargs)
+    if vllm_args.num_engines < 0:
+        raise ValueError(f"--vllm.num-engines {vllm_args.num_engines}: give a count of engines per rank, or 0 to pick "
+                         f"it from the model and the GPU (auto)")
     if vllm_args.engine_gpu != -1 and not vllm_args.own_process:
         raise ValueError(f"--vllm.engine-gpu {vllm_args.engine_gpu} places the engine's own process: add "
                          f"--vllm.own-process, or drop --vllm.engine-gpu (the engine then runs in the rank's process)")
-    if vllm_args.num_engines != 1 and not vllm_args.own_process:
+    if vllm_args.num_engines not in (0, 1) and not vllm_args.own_process:
         raise ValueError(f"--vllm.num-engines {vllm_args.num_engines} runs engines in processes of their own: add "
                          f"--vllm.own-process, or drop --vllm.num-engines (one engine in the rank's process)")
+
+
+# --vllm.num-engines 0 (auto): at most this many engines (4 measured faster than 1 on every W05 call that ran both:
+# 1.48x the step on session 16's slow host, 1.03x on session 18's fast one; docs/performance.md), each with a memory
+# share (--vllm.gpu-memory-utilization / N of the GPU) of at least AUTO_SHARE_PER_WEIGHT x the weights, and 2 CPU
+# cores of the rank's for each (its host loop, and the trainer's and the children's other threads)
+AUTO_MAX_ENGINES, AUTO_SHARE_PER_WEIGHT, AUTO_CORES_PER_ENGINE = 4, 8, 2
+
+
+def auto_engine_count(kind: str, on_gpu: bool, vllm_args, weight_bytes: int, gpu_bytes: int, cores: int) -> tuple[
+        int, str]:
+    """--vllm.num-engines 0 (auto): (the number of engines, why). Several only where they were measured to pay: vLLM
+    on a GPU, one GPU per engine (tensor parallelism needs the rank's own process), and a model small enough that
+    the engines' copies of its weights leave each one most of its share for the KV cache (W05's 0.5B model: 1 GB
+    of weights, 4 engines in 0.35 x 141 GB); the generation of larger models is less bound by the host's loop."""
+    if kind != "vllm" or not on_gpu:
+        return 1, "the HF engine: one in the rank's process"
+    if vllm_args.tensor_parallel_size > 1:
+        return 1, f"--vllm.tensor-parallel-size {vllm_args.tensor_parallel_size}: one engine across the ranks"
+    share = int(vllm_args.gpu_memory_utilization * gpu_bytes)
+    by_memory = share // max(1, AUTO_SHARE_PER_WEIGHT * weight_bytes)
+    by_cores = cores // AUTO_CORES_PER_ENGINE
+    n = max(1, min(AUTO_MAX_ENGINES, by_memory, by_cores, vllm_args.max_num_seqs))
+    return n, (f"{weight_bytes / 2**30:.1f} GiB of weights, {share / 2**30:.1f} GiB for the engines "
+               f"(--vllm.gpu-memory-utilization {vllm_args.gpu_memory_utilization}), {cores} CPU cores for this rank")
+
+
+def resolve_num_engines(vllm_args, kind: str, device, config, is_main: bool = True) -> None:
+    """--vllm.num-engines 0 (auto): set it from auto_engine_count (and --vllm.own-process when it is more than one),
+    so the run's config records the count; print it on rank 0. Any other value is left alone."""
+    if vllm_args.num_engines != 0:
+        return
+    on_gpu = device.type == "cuda"
+    gpu_bytes, cores = 0, os.cpu_count() or 1
+    if on_gpu:
+        gpu_bytes = torch.cuda.get_device_properties(child_gpu(vllm_args.engine_gpu, device.index or 0)).total_memory
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # the node's ranks share its cores
+    weight_bytes = weight_count(config) * DTYPES[vllm_args.dtype].itemsize
+    n, why = auto_engine_count(kind, on_gpu, vllm_args, weight_bytes, gpu_bytes, cores)
+    vllm_args.num_engines = n
+    vllm_args.own_process = vllm_args.own_process or n > 1
+    if is_main:
+        where = "in processes of their own" if n > 1 else "in a process of its own" if vllm_args.own_process else \
+            "in the rank's process"
+        print(f"--vllm.num-engines auto: {n} engine{'s' * (n > 1)} per rank {where} ({why})", flush=True)
 
 
 def child_gpu(engine_gpu: int, device_index: int) -> int | None:

@@ -11,7 +11,7 @@ from common import checkpoint as C
 from common import lora
 from common.attention import describe
 from common.data import build_prompts, load_rows
-from common.engine_process import EngineProcess, check_engine_args, child_gpu
+from common.engine_process import EngineProcess, check_engine_args, child_gpu, resolve_num_engines
 from common.env import make_env
 from common.fsdp import copy_params, place_frozen, shard
 from common.membudget import resolve_microbatch  # noqa: F401  the scripts' one lazy setup step (at the first update)
@@ -165,11 +165,15 @@ class BehaviourPolicy:
         return out
 
 
-def rollout_engine(args, kind: str, model_path: str, seed: int, device, tok, stop_ids):
+def rollout_engine(args, kind: str, model_path: str, config, d, tok, stop_ids):
     """The rollout engine (vLLM or the HF engine) for prompts of --max-prompt-tokens plus --max-new-tokens (with
     --env: plus an episode, RLArgs.rollout_max_len), the sampling settings every generation and evaluation of the
-    run uses, and the environment of --env (common.env.EnvRunner; None without: one completion per prompt)."""
+    run uses, and the environment of --env (common.env.EnvRunner; None without: one completion per prompt).
+    --vllm.num-engines 0 (auto) is resolved here from the model's `config` (common.engine_process). d: the run's
+    common.dist state; the engine samples from --seed."""
     check_engine_args(args.vllm)
+    device, seed = d.device, args.seed
+    resolve_num_engines(args.vllm, kind, device, config, d.is_main)
     if args.vllm.own_process:  # a child process of its own (common/engine_process.py)
         gpu = child_gpu(args.vllm.engine_gpu, device.index or 0) if device.type == "cuda" else None
         engine = EngineProcess(kind, model_path, args.vllm, args.rollout_max_len, seed, tok.pad_token_id, stop_ids, gpu)
@@ -205,7 +209,10 @@ def start_tracking(args, d, run_dir: Path, start: int, resume_from, config: dict
                                                  "no (kl_coef = 0)" if ref is None else
                                                  "the base (LoRA off)" if isinstance(ref, lora.BaseView) else
                                                  "replicated, scored before the gather" if ref_early else "sharded"),
-                                             "rollout engine": rollout_kind,
+                                             "rollout engine": rollout_kind + (
+                                                 f", {args.vllm.num_engines} in processes of their own"
+                                                 if args.vllm.num_engines > 1 else ", in a process of its own"
+                                                 if args.vllm.own_process else ""),
                                              "train prompts (dropped too long)": f"{train_size} ({dropped})"}),
               flush=True)
     return tracker

@@ -90,7 +90,9 @@ class VLLMArgs:
     """with --vllm.own-process: engines (processes) per rank on its GPU, each decoding a contiguous share of the
     prompts with 1/N of --vllm.max-num-seqs and of --vllm.gpu-memory-utilization. Generation is bound by vLLM's
     host loop, one core per engine: N loops share the GPU and finish a batch sooner (docs/performance.md). Each
-    holds a copy of the weights: for small models"""
+    holds a copy of the weights: for small models. 0 (auto): up to 4 in processes of their own (--vllm.own-process
+    implied) for a small model on a GPU, by its weights, the engines' memory share and the rank's CPU cores; else 1
+    (common.engine_process.auto_engine_count)"""
 
 
 # ---- pure helpers (CPU-tested) -------------------------------------------------------------------------------

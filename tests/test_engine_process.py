@@ -6,8 +6,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers import Qwen2Config
 
 from common import engine_process as E
+from common.flops import weight_count
 from common.rollout import HFEngine
 from common.vllm_engine import VLLMArgs
 
@@ -315,6 +317,68 @@ def test_several_engines_need_their_own_processes_and_a_batch_to_share():
     for bad in (0, 600):
         with pytest.raises(ValueError, match=f"num-engines {bad}: give 1 to 512"):
             E.EngineProcess("hf", "m", replace(VLLMArgs(), num_engines=bad), 64, 0, 0, [], None)
+
+
+QWEN05 = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # W05's model: 494M weights
+QWEN7 = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                    num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)  # Qwen2.5-7B: 7.6B
+
+
+def test_auto_engine_count_only_for_small_models_on_a_gpu_with_cores_to_spare():
+    """--vllm.num-engines 0: 4 engines for W05's 0.5B model on an H200 with 16 cores (the measured case); fewer when
+    the memory share or the cores run short; 1 for a 7B model, the HF engine, or tensor parallelism."""
+    h200, h100, auto = 139 * 2**30, 80 * 2**30, VLLMArgs(num_engines=0)
+    small, large = 2 * weight_count(QWEN05), 2 * weight_count(QWEN7)  # bf16 bytes
+    count = lambda *a, **k: E.auto_engine_count(*a, **k)[0]
+    assert count("vllm", True, auto, small, h200, 16) == 4  # 0.35 x 139 GiB = 48.6 GiB, 6 x 8 x 0.92 GiB: capped
+    assert count("vllm", True, auto, small, h100, 16) == 3  # 28 GiB holds 3 shares of 8 x the weights
+    assert count("vllm", True, auto, small, h200, 5) == 2  # 2 cores per engine
+    assert count("vllm", True, auto, small, h200, 1) == 1
+    assert count("vllm", True, replace(auto, gpu_memory_utilization=0.1), small, h200, 16) == 1  # 13.9 GiB < 2 x 7.4
+    assert count("vllm", True, replace(auto, max_num_seqs=2), small, h200, 16) == 2  # a sequence per engine at least
+    assert count("vllm", True, auto, large, h200, 16) == 1  # 15.2 GB of weights: one engine
+    n, why = E.auto_engine_count("vllm", True, replace(auto, tensor_parallel_size=2), small, h200, 16)
+    assert (n, why) == (1, "--vllm.tensor-parallel-size 2: one engine across the ranks")
+    assert E.auto_engine_count("hf", False, auto, small, 0, 16)[0] == 1
+    n, why = E.auto_engine_count("vllm", True, auto, small, h200, 16)
+    assert why == "0.9 GiB of weights, 48.6 GiB for the engines (--vllm.gpu-memory-utilization 0.35), 16 CPU cores " \
+                  "for this rank"
+
+
+def test_resolve_num_engines_reads_the_gpu_the_cores_and_the_ranks_per_node(monkeypatch, capsys):
+    """The count goes into the flags (the run's config records it) and --vllm.own-process follows it; the node's
+    cores are shared by its ranks (LOCAL_WORLD_SIZE); a count given on the command line is left alone."""
+    gpu = type("Props", (), {"total_memory": 139 * 2**30})()
+    monkeypatch.setattr(E, "child_gpu", lambda engine_gpu, index: index)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpu)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    cuda = torch.device("cuda", 0)
+    args = VLLMArgs(num_engines=0)
+    E.resolve_num_engines(args, "vllm", cuda, QWEN05)
+    assert (args.num_engines, args.own_process) == (4, True)
+    assert "--vllm.num-engines auto: 4 engines per rank in processes of their own (0.9 GiB" in capsys.readouterr().out
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 cores per rank: 2 engines each
+    args = VLLMArgs(num_engines=0)
+    E.resolve_num_engines(args, "vllm", cuda, QWEN05, is_main=False)
+    assert (args.num_engines, args.own_process) == (2, True) and capsys.readouterr().out == ""
+    args = VLLMArgs(num_engines=0)
+    E.resolve_num_engines(args, "vllm", cuda, QWEN7)
+    assert (args.num_engines, args.own_process) == (1, False)  # in the rank's process, as without the flag
+    assert "1 engine per rank in the rank's process (14.2 GiB of weights" in capsys.readouterr().out
+    args = VLLMArgs(num_engines=0, own_process=True)  # grpo_async.py's default process, kept
+    E.resolve_num_engines(args, "hf", torch.device("cpu"), QWEN05)
+    assert (args.num_engines, args.own_process) == (1, True)
+    assert "1 engine per rank in a process of its own (the HF engine" in capsys.readouterr().out
+    given = VLLMArgs(num_engines=3, own_process=True)
+    E.resolve_num_engines(given, "vllm", cuda, QWEN7)
+    assert given.num_engines == 3
+
+
+def test_a_negative_engine_count_is_refused():
+    with pytest.raises(ValueError, match="num-engines -1: give a count of engines per rank, or 0 to pick it"):
+        E.check_engine_args(replace(VLLMArgs(), num_engines=-1, own_process=True))
+    E.check_engine_args(replace(VLLMArgs(), num_engines=0))  # auto needs no --vllm.own-process: it sets it
 
 
 # ---- GPU + vLLM: the engine in its own process on the trainer's GPU ------------------------------------------------

@@ -385,7 +385,7 @@ def main(args: Args) -> None:
     sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
     reward_fn = with_workers(load_reward_fn(args.reward_fn), args.reward_workers)  # --reward-workers: a pool
     rm = rollout_reward_model(args, tok, d)  # --reward-model: whole on each rank, on the GPU only to score
-    engine, sampling, env = rollout_engine(args, rollout_kind, model_path, lm.config, d, tok, stop_ids)
+    engine, sampling, env = rollout_engine(args, rollout_kind, model_path, lm, d, tok, stop_ids)
     behaviour = BehaviourPolicy.make(args, model_path, d.device)  # --behaviour-logp trainer: pi_old's weights
 
     state = {"policy": (policy, optimizer), "scheduler": scheduler} | (rm.state() if rm else {})  # + RM norm

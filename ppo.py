@@ -396,7 +396,7 @@ def main(args: Args) -> None:
     sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
     reward_fn = with_workers(load_reward_fn(args.reward_fn), args.reward_workers)  # --reward-workers: a pool
     rm = rollout_reward_model(args, tok, d)  # --reward-model: whole on each rank, on the GPU only to score
-    engine, sampling, env = rollout_engine(args, rollout_kind, model_path, lm.config, d, tok, stop_ids)
+    engine, sampling, env = rollout_engine(args, rollout_kind, model_path, lm, d, tok, stop_ids)
 
     state = {"policy": (policy, optimizer), "critic": (critic, critic_optimizer), "scheduler": scheduler,
              "critic_scheduler": critic_scheduler} | (rm.state() if rm else {})  # + the RM score's running norm

@@ -32,7 +32,6 @@ from dataclasses import replace
 import torch
 import torch.multiprocessing as mp
 
-from common.flops import weight_count
 from common.rollout import Rollout
 from common.vllm_engine import DTYPES, bucket_by_bytes, extra_llm_kwargs
 
@@ -80,9 +79,10 @@ def auto_engine_count(kind: str, on_gpu: bool, vllm_args, weight_bytes: int, gpu
                f"(--vllm.gpu-memory-utilization {vllm_args.gpu_memory_utilization}), {cores} CPU cores for this rank")
 
 
-def resolve_num_engines(vllm_args, kind: str, device, config, is_main: bool = True) -> None:
-    """--vllm.num-engines 0 (auto): set it from auto_engine_count (and --vllm.own-process when it is more than one),
-    so the run's config records the count; print it on rank 0. Any other value is left alone."""
+def resolve_num_engines(vllm_args, kind: str, device, weights: int, is_main: bool = True) -> None:
+    """--vllm.num-engines 0 (auto): set it from auto_engine_count for a model of `weights` parameters (and
+    --vllm.own-process when it is more than one), so the run's config records the count; print it on rank 0. Any
+    other value is left alone."""
     if vllm_args.num_engines != 0:
         return
     on_gpu = device.type == "cuda"
@@ -92,7 +92,7 @@ def resolve_num_engines(vllm_args, kind: str, device, config, is_main: bool = Tr
     if hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
     cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # the node's ranks share its cores
-    weight_bytes = weight_count(config) * DTYPES[vllm_args.dtype].itemsize
+    weight_bytes = weights * DTYPES[vllm_args.dtype].itemsize
     n, why = auto_engine_count(kind, on_gpu, vllm_args, weight_bytes, gpu_bytes, cores)
     vllm_args.num_engines = n
     vllm_args.own_process = vllm_args.own_process or n > 1

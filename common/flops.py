@@ -33,13 +33,6 @@ def matmul_params(config, lm_head: bool = True) -> int:
     return L * (attn + mlp) + (H * V if lm_head else 0)
 
 
-def weight_count(config) -> int:
-    """The model's weights, to within its norms and biases (<0.1 %): the matmul weights, the embedding, and the LM head
-    when it is not tied to the embedding."""
-    untied_head = 0 if getattr(config, "tie_word_embeddings", False) else config.hidden_size * config.vocab_size
-    return matmul_params(config) + untied_head  # the head (or the tied embedding) once, plus an untied embedding
-
-
 def flops_per_token(config, seq_len: float, causal: bool = True, lm_head: bool = True) -> float:
     """Training FLOPs (forward + backward) per token for sequences of seq_len tokens; a forward alone is 1/3.
     For a batch of unequal lengths pass sum(s^2) / sum(s): attention cost grows with each sequence's own length.

@@ -165,15 +165,16 @@ class BehaviourPolicy:
         return out
 
 
-def rollout_engine(args, kind: str, model_path: str, config, d, tok, stop_ids):
+def rollout_engine(args, kind: str, model_path: str, lm, d, tok, stop_ids):
     """The rollout engine (vLLM or the HF engine) for prompts of --max-prompt-tokens plus --max-new-tokens (with
     --env: plus an episode, RLArgs.rollout_max_len), the sampling settings every generation and evaluation of the
     run uses, and the environment of --env (common.env.EnvRunner; None without: one completion per prompt).
-    --vllm.num-engines 0 (auto) is resolved here from the model's `config` (common.engine_process). d: the run's
-    common.dist state; the engine samples from --seed."""
+    --vllm.num-engines 0 (auto) is resolved here from the size of the policy `lm` (common.engine_process). d: the
+    run's common.dist state; the engine samples from --seed."""
     check_engine_args(args.vllm)
     device, seed = d.device, args.seed
-    resolve_num_engines(args.vllm, kind, device, config, d.is_main)
+    weights = sum(p.numel() for p in lm.parameters())  # whole-model counts (a sharded DTensor's numel is global)
+    resolve_num_engines(args.vllm, kind, device, weights, d.is_main)
     if args.vllm.own_process:  # a child process of its own (common/engine_process.py)
         gpu = child_gpu(args.vllm.engine_gpu, device.index or 0) if device.type == "cuda" else None
         engine = EngineProcess(kind, model_path, args.vllm, args.rollout_max_len, seed, tok.pad_token_id, stop_ids, gpu)

@@ -6,10 +6,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import Qwen2Config
 
 from common import engine_process as E
-from common.flops import weight_count
 from common.rollout import HFEngine
 from common.vllm_engine import VLLMArgs
 
@@ -319,17 +317,14 @@ def test_several_engines_need_their_own_processes_and_a_batch_to_share():
             E.EngineProcess("hf", "m", replace(VLLMArgs(), num_engines=bad), 64, 0, 0, [], None)
 
 
-QWEN05 = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # W05's model: 494M weights
-QWEN7 = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                    num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)  # Qwen2.5-7B: 7.6B
+QWEN05, QWEN7 = 494_032_768, 7_615_616_512  # Qwen2.5-0.5B (W05's model) and Qwen2.5-7B: their parameters
 
 
 def test_auto_engine_count_only_for_small_models_on_a_gpu_with_cores_to_spare():
     """--vllm.num-engines 0: 4 engines for W05's 0.5B model on an H200 with 16 cores (the measured case); fewer when
     the memory share or the cores run short; 1 for a 7B model, the HF engine, or tensor parallelism."""
     h200, h100, auto = 139 * 2**30, 80 * 2**30, VLLMArgs(num_engines=0)
-    small, large = 2 * weight_count(QWEN05), 2 * weight_count(QWEN7)  # bf16 bytes
+    small, large = 2 * QWEN05, 2 * QWEN7  # bf16 bytes
     count = lambda *a, **k: E.auto_engine_count(*a, **k)[0]
     assert count("vllm", True, auto, small, h200, 16) == 4  # 0.35 x 139 GiB = 48.6 GiB, 6 x 8 x 0.92 GiB: capped
     assert count("vllm", True, auto, small, h100, 16) == 3  # 28 GiB holds 3 shares of 8 x the weights

@@ -2,7 +2,7 @@
 import pytest
 from transformers import Qwen2Config
 
-from common.flops import PEAK_FLOPS, batch_train_flops, flops_per_token, matmul_params, mfu, weight_count
+from common.flops import PEAK_FLOPS, batch_train_flops, flops_per_token, matmul_params, mfu
 
 # hidden 8, 2 query heads and 1 kv head of dim 4, MLP 16, 2 layers, vocab 10, tied embeddings
 TINY = Qwen2Config(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16,
@@ -22,8 +22,6 @@ def test_tiny_by_hand():
 def test_tied_head_counted_once_untied_same():
     untied = Qwen2Config(**{**TINY.to_dict(), "tie_word_embeddings": False})
     assert matmul_params(untied) == matmul_params(TINY)
-    # the weights: an untied embedding is a second 8 x 10 matrix beside the head
-    assert (weight_count(TINY), weight_count(untied)) == (1232, 1312)
 
 
 def test_qwen25_05b_matches_parameter_count():
@@ -31,7 +29,6 @@ def test_qwen25_05b_matches_parameter_count():
                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
     # Qwen2.5-0.5B has 494.0M parameters (embedding tied); norms and biases (~0.4M) are not matmul weights
     assert matmul_params(cfg) == pytest.approx(494.0e6, rel=2e-3)
-    assert weight_count(cfg) == pytest.approx(494.03e6, rel=2e-3)  # 494,032,768 with the norms and biases
 
 
 def test_batch_flops_equal_lengths_and_head_only_on_scored():

@@ -65,10 +65,10 @@ def auto_engine_count(kind: str, on_gpu: bool, vllm_args, weight_bytes: int, gpu
         int, str]:
     """--vllm.num-engines 0 (auto): (the number of engines, why). Several only where they were measured to pay: vLLM
     on a GPU, one GPU per engine (tensor parallelism needs the rank's own process), and a model small enough that
-    the engines' copies of its weights leave each one most of its share for the KV cache (W05's 0.5B model: 1 GB
-    of weights, 4 engines in 0.35 x 141 GB); the generation of larger models is less bound by the host's loop."""
+    the engines' copies of its weights leave each one most of its share for the KV cache (W05's 0.5B model: 0.9 GiB
+    of weights, 4 engines in 0.35 x 139 GiB); the generation of larger models is less bound by the host's loop."""
     if kind != "vllm" or not on_gpu:
-        return 1, "the HF engine: one in the rank's process"
+        return 1, "the HF engine" if kind != "vllm" else "no GPU"
     if vllm_args.tensor_parallel_size > 1:
         return 1, f"--vllm.tensor-parallel-size {vllm_args.tensor_parallel_size}: one engine across the ranks"
     share = int(vllm_args.gpu_memory_utilization * gpu_bytes)

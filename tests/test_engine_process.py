@@ -335,7 +335,8 @@ def test_auto_engine_count_only_for_small_models_on_a_gpu_with_cores_to_spare():
     assert count("vllm", True, auto, large, h200, 16) == 1  # 15.2 GB of weights: one engine
     n, why = E.auto_engine_count("vllm", True, replace(auto, tensor_parallel_size=2), small, h200, 16)
     assert (n, why) == (1, "--vllm.tensor-parallel-size 2: one engine across the ranks")
-    assert E.auto_engine_count("hf", False, auto, small, 0, 16)[0] == 1
+    assert E.auto_engine_count("hf", False, auto, small, 0, 16) == (1, "the HF engine")
+    assert E.auto_engine_count("hf", True, auto, small, h200, 16) == (1, "the HF engine")  # --rollout hf on a GPU
     n, why = E.auto_engine_count("vllm", True, auto, small, h200, 16)
     assert why == "0.9 GiB of weights, 48.6 GiB for the engines (--vllm.gpu-memory-utilization 0.35), 16 CPU cores " \
                   "for this rank"

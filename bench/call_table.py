@@ -3,7 +3,7 @@ ours against every TRL run of the same call (issue 20: a comparison with a peer 
 TRL's own step moved 15 % between two runs of one call in session 27, so each ratio is given against each TRL run).
 
 Per grpo sub-run: bench/w05.py's median step over the warm steps and their range, the phases' medians, the device
-peak (nvidia-smi) and the trainer's, and whether it trained as the defaults do: the grad norm's range and the
+peak (nvidia-smi) and the trainer's, the engine processes it generated with (its config.json), and whether it trained as the defaults do: the grad norm's range and the
 largest clip fraction over the steps after step 0 (from its metrics.jsonl), and the step-0 engine-vs-trainer
 log-prob gap. A fast run that trains differently (session 22's MPS share) shows on the same line. The last column
 checks issue 20's W05 goal for the run: its step at most --goal-step seconds, at least --goal-ratio times faster
@@ -76,6 +76,14 @@ def training_check(run: dict) -> dict:
     return {"grad_norm": (min(norms), max(norms)) if norms else None, "clip_max": max(clips) if clips else None}
 
 
+def engines(run: dict) -> str:
+    """The number of engine processes the sub-run generated with, from its config.json (--vllm.num-engines as the
+    run resolved it, so auto shows its count); "" without the file or the flag (runs from before the flag)."""
+    path = run["summary"].parent / run["name"] / "config.json"
+    vllm = json.loads(path.read_text()).get("vllm", {}) if path.exists() else {}
+    return str(vllm.get("num_engines", ""))
+
+
 def goal(step: float, ratios: list[float], device_gib: float | None, trl_peak: float | None,
          goal_step: float = GOAL_STEP, goal_ratio: float = GOAL_RATIO) -> str:
     """"met", or each part of the goal the run misses: the step over goal_step, the smallest of its ratios to the
@@ -102,8 +110,8 @@ def rows(runs: list[dict], goal_step: float = GOAL_STEP,
     timed = any(r.get("start") for r in runs)  # the queue's status file was there: a column of when each job started
     lead = lambda r: [r["label"]] + ([r.get("start") or ""] if timed else [])  # noqa: E731
     head = lead({"label": "sub-run", "start": "start"}) + [
-        "s/step", "warm steps", "generate", "reference", "update", "wait", "device GiB", "trainer GiB", "grad norm",
-        "clip max", "step-0 gap"] + [f"vs {t['label']}" for t in trl] + [
+        "s/step", "warm steps", "generate", "reference", "update", "wait", "device GiB", "trainer GiB", "engines",
+        "grad norm", "clip max", "step-0 gap"] + [f"vs {t['label']}" for t in trl] + [
         f"goal (<= {goal_step:g} s, >= {goal_ratio:g}x every TRL, device <= TRL)"]
     table = []
     for r in runs:
@@ -113,7 +121,7 @@ def rows(runs: list[dict], goal_step: float = GOAL_STEP,
         if r.get("kind") == "trl":
             steps = r.get("steps") or []
             table.append(lead(r) + [f"{r['median_warm_s']:.2f}", " ".join(f"{s:.2f}" for s in steps[1:]), "", "", "",
-                                    "", f"{r.get('gpu_mem_peak_gib', 0):.1f}", "", "", "", ""] + [""] * (len(trl) + 1))
+                                    "", f"{r.get('gpu_mem_peak_gib', 0):.1f}", "", "", "", "", ""] + [""] * (len(trl) + 1))
             continue
         if r.get("kind") != "grpo":
             continue
@@ -127,7 +135,7 @@ def rows(runs: list[dict], goal_step: float = GOAL_STEP,
         ratios = [t["median_warm_s"] / step for t in trl]
         table.append(lead(r) + [f"{step:.2f}", f"{min(r['warm_steps']):.2f}-{max(r['warm_steps']):.2f}",
                                 f("generate_s"), f("ref_logp_s"), f("update_s"), f("wait_rollout_s"),
-                                f"{r.get('gpu_mem_peak_gib', 0):.1f}", f"{r.get('peak_mem_gib', 0):.1f}",
+                                f"{r.get('gpu_mem_peak_gib', 0):.1f}", f"{r.get('peak_mem_gib', 0):.1f}", engines(r),
                                 f"{gn[0]:.3f}-{gn[1]:.3f}" if gn else "", f"{clip:.4f}" if clip is not None else "",
                                 f"{gap:.5f}" if gap is not None else ""]
                      + [f"{x:.2f}x" for x in ratios]

@@ -30,6 +30,7 @@ def write_call(folder: Path) -> None:
             {"step": 2, "train/grad_norm": 0.42, "train/clip_frac": 0.01}]
     (d / "async-varlen-1gpu").mkdir()
     (d / "async-varlen-1gpu" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "async-varlen-1gpu" / "config.json").write_text(json.dumps({"vllm": {"num_engines": 2, "own_process": True}}))
     summary("broken", [{"name": "grpo-varlen-1gpu", "kind": "grpo", "ok": False}])
     summary("short", [{"name": "grpo-varlen-1gpu", "kind": "grpo", "ok": True, "warm_steps": []}])
 
@@ -44,6 +45,7 @@ def test_each_of_ours_is_set_against_every_trl_run_of_the_call(tmp_path):
     assert (fast["s/step"], fast["warm steps"], fast["vs trl"], fast["vs trl2"]) == ("6.00", "5.00-8.50", "3.50x", "4.17x")
     assert (fast["grad norm"], fast["clip max"], fast["step-0 gap"]) == ("0.400-0.420", "0.0100", "0.00700")
     assert (fast["reference"], fast["update"], fast["device GiB"], fast["trainer GiB"]) == ("1.50", "3.50", "45.6", "23.1")
+    assert fast["engines"] == "2"  # as the run resolved --vllm.num-engines (its config.json)
     assert fast[head[-1]] == "met"  # 6.0 s, 3.50x and 4.17x, 45.6 GiB under both TRL runs' 52.8 and 52.9
     assert by_name["trl2"]["s/step"] == "25.00" and by_name["trl2"]["warm steps"] == "25.00 24.00 26.00"
     assert by_name["broken:grpo-varlen-1gpu"]["s/step"] == "failed"

@@ -3,11 +3,12 @@ ours against every TRL run of the same call (issue 20: a comparison with a peer 
 TRL's own step moved 15 % between two runs of one call in session 27, so each ratio is given against each TRL run).
 
 Per grpo sub-run: bench/w05.py's median step over the warm steps and their range, the phases' medians, the device
-peak (nvidia-smi) and the trainer's, the engine processes it generated with (its config.json), and whether it trained as the defaults do: the grad norm's range and the
-largest clip fraction over the steps after step 0 (from its metrics.jsonl), and the step-0 engine-vs-trainer
-log-prob gap. A fast run that trains differently (session 22's MPS share) shows on the same line. The last column
-checks issue 20's W05 goal for the run: its step at most --goal-step seconds, at least --goal-ratio times faster
-than every TRL run of the call, and a device peak no higher than any TRL run's; "met", or what misses.
+peak (nvidia-smi) and the trainer's, the engine processes it generated with (its config.json), and whether it
+trained as the defaults do: the grad norm's range and the largest clip fraction over the steps after step 0 (from
+its metrics.jsonl), and the step-0 engine-vs-trainer log-prob gap. A fast run that trains differently (session 22's
+MPS share) shows on the same line. The last column checks issue 20's W05 goal for the run: its step at most
+--goal-step seconds, at least --goal-ratio times faster than every TRL run of the call, and a device peak no higher
+than any TRL run's; "met", or what misses.
 
 Where the folder holds the queue's `status` file (dev/gpu_queue.py: "HH:MM:SS start JOB (gpu G)" lines), the rows
 come in the order the jobs started, with a "start" column (the device's clock): a drift of the machine's speed over
@@ -120,8 +121,9 @@ def rows(runs: list[dict], goal_step: float = GOAL_STEP,
             continue
         if r.get("kind") == "trl":
             steps = r.get("steps") or []
-            table.append(lead(r) + [f"{r['median_warm_s']:.2f}", " ".join(f"{s:.2f}" for s in steps[1:]), "", "", "",
-                                    "", f"{r.get('gpu_mem_peak_gib', 0):.1f}", "", "", "", "", ""] + [""] * (len(trl) + 1))
+            cells = lead(r) + [f"{r['median_warm_s']:.2f}", " ".join(f"{s:.2f}" for s in steps[1:]), "", "", "", "",
+                               f"{r.get('gpu_mem_peak_gib', 0):.1f}"]
+            table.append(cells + [""] * (len(head) - len(cells)))
             continue
         if r.get("kind") != "grpo":
             continue

@@ -55,7 +55,8 @@ def check_engine_args(vllm_args) -> None:
 
 
 # --vllm.num-engines 0 (auto): at most this many engines (4 measured faster than 1 on every W05 call that ran both:
-# 1.48x the step on session 16's slow host, 1.03x on session 18's fast one; docs/performance.md), each with a memory
+# 1.48x the step on session 16's slow host, 1.03x on session 18's fast one: `python bench/call_table.py
+# docs/results/session16`, and session18, their "defaults:" lines; docs/performance.md), each with a memory
 # share (--vllm.gpu-memory-utilization / N of the GPU) of at least AUTO_SHARE_PER_WEIGHT x the weights, and 2 CPU
 # cores of the rank's for each (its host loop, and the trainer's and the children's other threads)
 AUTO_MAX_ENGINES, AUTO_SHARE_PER_WEIGHT, AUTO_CORES_PER_ENGINE = 4, 8, 2
@@ -79,27 +80,29 @@ def auto_engine_count(kind: str, on_gpu: bool, vllm_args, weight_bytes: int, gpu
                f"(--vllm.gpu-memory-utilization {vllm_args.gpu_memory_utilization}), {cores} CPU cores for this rank")
 
 
-def resolve_num_engines(vllm_args, kind: str, device, weights: int, is_main: bool = True) -> None:
-    """--vllm.num-engines 0 (auto): set it from auto_engine_count for a model of `weights` parameters (and
-    --vllm.own-process when it is more than one), so the run's config records the count; print it on rank 0. Any
-    other value is left alone."""
+def resolve_num_engines(vllm_args, kind: str, gpu: int | None, weights: int, is_main: bool = True) -> None:
+    """--vllm.num-engines 0 (auto): set it from auto_engine_count for a model of `weights` parameters whose engines
+    go on GPU `gpu` (child_gpu's index; None: no GPU), and --vllm.own-process when it is more than one, so the run's
+    config records the count; print it on rank 0. Any other value is left alone."""
     if vllm_args.num_engines != 0:
         return
-    on_gpu = device.type == "cuda"
-    gpu_bytes, cores = 0, os.cpu_count() or 1
-    if on_gpu:
-        gpu_bytes = torch.cuda.get_device_properties(child_gpu(vllm_args.engine_gpu, device.index or 0)).total_memory
-    if hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0))
+    gpu_bytes = torch.cuda.get_device_properties(gpu).total_memory if gpu is not None else 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # the node's ranks share its cores
     weight_bytes = weights * DTYPES[vllm_args.dtype].itemsize
-    n, why = auto_engine_count(kind, on_gpu, vllm_args, weight_bytes, gpu_bytes, cores)
+    n, why = auto_engine_count(kind, gpu is not None, vllm_args, weight_bytes, gpu_bytes, cores)
     vllm_args.num_engines = n
     vllm_args.own_process = vllm_args.own_process or n > 1
     if is_main:
-        where = "in processes of their own" if n > 1 else "in a process of its own" if vllm_args.own_process else \
-            "in the rank's process"
-        print(f"--vllm.num-engines auto: {n} engine{'s' * (n > 1)} per rank {where} ({why})", flush=True)
+        print(f"--vllm.num-engines auto: {placement(vllm_args)} ({why})", flush=True)
+
+
+def placement(vllm_args) -> str:
+    """Where a rank's engines run, in words (the auto line, the batch-geometry table)."""
+    n = vllm_args.num_engines
+    where = "in processes of their own" if n > 1 else "in a process of its own" if vllm_args.own_process else \
+        "in the rank's process"
+    return f"{n} engine{'s' * (n > 1)} per rank {where}"
 
 
 def child_gpu(engine_gpu: int, device_index: int) -> int | None:

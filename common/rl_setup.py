@@ -11,7 +11,7 @@ from common import checkpoint as C
 from common import lora
 from common.attention import describe
 from common.data import build_prompts, load_rows
-from common.engine_process import EngineProcess, check_engine_args, child_gpu, resolve_num_engines
+from common.engine_process import EngineProcess, check_engine_args, child_gpu, placement, resolve_num_engines
 from common.env import make_env
 from common.fsdp import copy_params, place_frozen, shard
 from common.membudget import resolve_microbatch  # noqa: F401  the scripts' one lazy setup step (at the first update)
@@ -173,10 +173,10 @@ def rollout_engine(args, kind: str, model_path: str, lm, d, tok, stop_ids):
     run's common.dist state; the engine samples from --seed."""
     check_engine_args(args.vllm)
     device, seed = d.device, args.seed
+    gpu = child_gpu(args.vllm.engine_gpu, device.index or 0) if device.type == "cuda" else None  # the engines' GPU
     weights = sum(p.numel() for p in lm.parameters())  # whole-model counts (a sharded DTensor's numel is global)
-    resolve_num_engines(args.vllm, kind, device, weights, d.is_main)
+    resolve_num_engines(args.vllm, kind, gpu, weights, d.is_main)
     if args.vllm.own_process:  # a child process of its own (common/engine_process.py)
-        gpu = child_gpu(args.vllm.engine_gpu, device.index or 0) if device.type == "cuda" else None
         engine = EngineProcess(kind, model_path, args.vllm, args.rollout_max_len, seed, tok.pad_token_id, stop_ids, gpu)
     else:
         engine = make_engine(kind, model_path, args.vllm, args.rollout_max_len, seed, device, tok.pad_token_id,
@@ -211,9 +211,7 @@ def start_tracking(args, d, run_dir: Path, start: int, resume_from, config: dict
                                                  "the base (LoRA off)" if isinstance(ref, lora.BaseView) else
                                                  "replicated, scored before the gather" if ref_early else "sharded"),
                                              "rollout engine": rollout_kind + (
-                                                 f", {args.vllm.num_engines} in processes of their own"
-                                                 if args.vllm.num_engines > 1 else ", in a process of its own"
-                                                 if args.vllm.own_process else ""),
+                                                 f", {placement(args.vllm)}" if args.vllm.own_process else ""),
                                              "train prompts (dropped too long)": f"{train_size} ({dropped})"}),
               flush=True)
     return tracker

@@ -345,29 +345,28 @@ def test_auto_engine_count_only_for_small_models_on_a_gpu_with_cores_to_spare():
 def test_resolve_num_engines_reads_the_gpu_the_cores_and_the_ranks_per_node(monkeypatch, capsys):
     """The count goes into the flags (the run's config records it) and --vllm.own-process follows it; the node's
     cores are shared by its ranks (LOCAL_WORLD_SIZE); a count given on the command line is left alone."""
-    gpu = type("Props", (), {"total_memory": 139 * 2**30})()
-    monkeypatch.setattr(E, "child_gpu", lambda engine_gpu, index: index)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpu)
+    props = type("Props", (), {"total_memory": 139 * 2**30})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props if index == 0 else None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    cuda = torch.device("cuda", 0)
+    gpu0 = 0  # the engines' GPU (child_gpu's index)
     args = VLLMArgs(num_engines=0)
-    E.resolve_num_engines(args, "vllm", cuda, QWEN05)
+    E.resolve_num_engines(args, "vllm", gpu0, QWEN05)
     assert (args.num_engines, args.own_process) == (4, True)
     assert "--vllm.num-engines auto: 4 engines per rank in processes of their own (0.9 GiB" in capsys.readouterr().out
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 cores per rank: 2 engines each
     args = VLLMArgs(num_engines=0)
-    E.resolve_num_engines(args, "vllm", cuda, QWEN05, is_main=False)
+    E.resolve_num_engines(args, "vllm", gpu0, QWEN05, is_main=False)
     assert (args.num_engines, args.own_process) == (2, True) and capsys.readouterr().out == ""
     args = VLLMArgs(num_engines=0)
-    E.resolve_num_engines(args, "vllm", cuda, QWEN7)
+    E.resolve_num_engines(args, "vllm", gpu0, QWEN7)
     assert (args.num_engines, args.own_process) == (1, False)  # in the rank's process, as without the flag
     assert "1 engine per rank in the rank's process (14.2 GiB of weights" in capsys.readouterr().out
     args = VLLMArgs(num_engines=0, own_process=True)  # grpo_async.py's default process, kept
-    E.resolve_num_engines(args, "hf", torch.device("cpu"), QWEN05)
+    E.resolve_num_engines(args, "hf", None, QWEN05)
     assert (args.num_engines, args.own_process) == (1, True)
     assert "1 engine per rank in a process of its own (the HF engine" in capsys.readouterr().out
     given = VLLMArgs(num_engines=3, own_process=True)
-    E.resolve_num_engines(given, "vllm", cuda, QWEN7)
+    E.resolve_num_engines(given, "vllm", gpu0, QWEN7)
     assert given.num_engines == 3
 
 

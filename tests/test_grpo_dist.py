@@ -102,10 +102,12 @@ def test_two_ranks_each_with_two_engine_processes(tiny_model_dir, tmp_path):
     """--vllm.own-process --vllm.num-engines 2 on two ranks: each rank's two children sample its prompts, every refit
     reaches all four (the engines' log-probs stay those of the trainer's weights after each update: a child left on
     old weights would be 1e-2 off), and greedy evaluation goes through the shares too."""
-    torchrun("grpo.py", "--model", str(tiny_model_dir), "--num-steps", "3", "--prompts-per-step", "4",
-             "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "3", "--eval-size", "4",
-             "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-2", "--engine-logprobs-every", "1",
-             "--vllm.own-process", "--vllm.num-engines", "2", "--out-dir", str(tmp_path), "--exp-name", "m2", nproc=2)
+    p = torchrun("grpo.py", "--model", str(tiny_model_dir), "--num-steps", "3", "--prompts-per-step", "4",
+                 "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "3", "--eval-size", "4",
+                 "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-2", "--engine-logprobs-every", "1",
+                 "--vllm.own-process", "--vllm.num-engines", "2", "--out-dir", str(tmp_path), "--exp-name", "m2",
+                 nproc=2)
+    assert re.search(r"rollout engine +hf, 2 engines per rank in processes of their own", p.stdout)
     rows = read_metrics(tmp_path / "m2")
     train = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in train] == [0, 1, 2]

@@ -141,6 +141,61 @@ def eos_token_ids(tokenizer, model_path: str) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+class _Body(nn.Module):
+    """Stands in for a causal LM's body in logit_scale: returns the given final hidden states whatever it is asked."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+def logit_scale(lm: nn.Module) -> float:
+    """s such that the model's logits are s * (final hidden states @ W.T), W its output embedding: 1 for most models,
+    1 / logits_scaling for Granite, logit_scale for Cohere. TokenLogProbs never forms the logits (kernels/logprob.py
+    takes the hidden states and W), so it folds s into the temperature. A head that is not a constant times W
+    (Gemma-2's final-logit soft-capping, a bias on the LM head) would give the trainer other log-probs than the
+    model's own: refused here. Found by running the model's own forward over a stand-in body that returns known
+    hidden states, so whatever the forward does after the body is seen (2 positions: cheap for any size)."""
+    head, prefix = lm.get_output_embeddings(), lm.base_model_prefix
+    if head is None or head.weight.is_meta or not hasattr(lm, prefix):
+        return 1.0
+    body, w = getattr(lm, prefix), head.weight.detach()
+    with torch.no_grad():
+        hidden = torch.randn(1, 2, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+        plain = hidden @ w.T  # (1, 2, V)
+        hidden *= 100 / plain.abs().max().clamp(min=1e-6)  # logits up to +-100: where a soft cap (30, 50) shows
+        plain = (hidden @ w.T).float()
+        setattr(lm, prefix, _Body(hidden))
+        try:
+            logits = lm(input_ids=torch.zeros(1, 2, dtype=torch.long, device=w.device)).logits.float()  # (1, 2, V)
+        finally:
+            setattr(lm, prefix, body)
+    s = float((logits * plain).sum() / (plain * plain).sum())  # least squares: logits ~ s * plain
+    tol = 1e-4 if w.dtype == torch.float32 else 1e-2  # of the largest logit, 100 s
+    if s > 0 and torch.allclose(logits, s * plain, rtol=tol, atol=100 * tol * s):
+        return s
+    config = lm.config.get_text_config()
+    why = ("the LM head has a bias" if getattr(head, "bias", None) is not None else
+           f"final_logit_softcapping={config.final_logit_softcapping}: the logits are soft-capped with tanh"
+           if getattr(config, "final_logit_softcapping", None) else "its forward transforms the LM head's output")
+    raise ValueError(f"{type(lm).__name__}: the logits are not a constant times the final hidden states @ the output "
+                     f"embedding ({why}). The trainer computes log-probs from those two without forming the logits "
+                     f"(kernels/logprob.py), so they would not be the model's own; this model is not supported")
+
+
+def check_attention(config, attn_impl: str) -> None:
+    """Refuse attention-logit soft-capping (Gemma-2) where the attention would silently leave it out: torch's sdpa
+    (transformers ignores the cap there) and the varlen kernels (common/attention.py); eager applies it."""
+    cap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
+    if cap and attn_impl in ("sdpa", "varlen"):
+        raise ValueError(f"--attn-impl {attn_impl}: this model soft-caps its attention logits "
+                         f"(attn_logit_softcapping={cap}), which {attn_impl} leaves out; use --attn-impl eager")
+
+
 class TokenLogProbs(nn.Module):
     """An HF causal LM whose forward returns log p(target) and entropy per token, from the final hidden states
     through kernels.token_logprobs (given a TokenLoss, also the loss, through kernels.token_loss), so the
@@ -157,6 +212,8 @@ class TokenLogProbs(nn.Module):
                  share_prompts: bool = False):
         super().__init__()
         self.lm, self.impl, self.workspace_mb, self.loss_workspace_mb = lm, impl, workspace_mb, loss_workspace_mb
+        self.logit_scale = logit_scale(lm)  # logits = s * hidden @ W.T: softmax(logits / T) at temperature T / s
+        check_attention(lm.config, lm.config._attn_implementation)
         if share_prompts and lm.config._attn_implementation != "varlen":
             raise ValueError(f"shared prompts need the varlen attention (--attn-impl varlen), not "
                              f"{lm.config._attn_implementation!r}; or pass --no-share-prompts")
@@ -170,6 +227,7 @@ class TokenLogProbs(nn.Module):
         # argmax: also return, per position, 1.0 where the target is the top-1 token (sft.py's token accuracy).
         # loss: a TokenLoss over the scored tokens; returns (loss, logp, entropy), the loss's gradient computed in this
         # forward by kernels.token_loss (logp and entropy detached, for statistics).
+        temperature = temperature / self.logit_scale  # the head's constant (Granite, Cohere; 1 for most models)
         base = getattr(self.lm, self.lm.base_model_prefix)
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                       **attn_kwargs).last_hidden_state  # (1, T, H)

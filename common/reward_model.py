@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from common import dist as D
 from common.attention import attn_kwargs
-from common.models import load_tokenizer
+from common.models import check_attention, load_tokenizer
 from common.packing import MicroBatch, pack, plan_microbatches
 from common.rewards import RunningNorm
 from common.tracking import timed
@@ -56,6 +56,7 @@ def init_reward_model(path: str, tok, attn_impl: str = "sdpa") -> nn.Module:
                                                              attn_implementation=attn_impl)
     clf.config.architectures = [type(clf).__name__]
     clf.config.use_cache = False
+    check_attention(clf.config, attn_impl)
     if not hasattr(clf, "score"):
         raise ValueError(f"--model {path}: {type(clf).__name__} has no `score` head; rm.py reads the scalar head of "
                          "decoder models (Llama, Qwen2, Mistral, ...) at .score")
@@ -69,6 +70,7 @@ def load_reward_model(path: str, attn_impl: str = "sdpa") -> nn.Module:
     _check_head(AutoConfig.from_pretrained(path), path)
     clf, info = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, output_loading_info=True,
                                                                    attn_implementation=attn_impl)
+    check_attention(clf.config, attn_impl)
     if not hasattr(clf, "score"):
         raise ValueError(f"--reward-model {path}: {type(clf).__name__} has no `score` head (decoder reward models "
                          "keep their scalar head at .score)")

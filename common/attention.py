@@ -36,11 +36,13 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def reference_varlen_attention(q, k, v, cu_seqlens, scale: float | None = None, cu_seqlens_k=None) -> torch.Tensor:
+def reference_varlen_attention(q, k, v, cu_seqlens, scale: float | None = None, cu_seqlens_k=None,
+                               window: int | None = None) -> torch.Tensor:
     """Causal attention within each sequence of a packed batch, one sdpa call per sequence.
     q: (N, Hq, D), k, v: (N_k, Hkv, D) with Hq a multiple of Hkv (GQA); cu_seqlens: (n+1,) of q, cu_seqlens_k of k
     (None: the same). A segment with more keys than queries aligns them at the end (flash-attn's causal): query i of
-    t attends to keys 0 .. s - t + i of s. Returns (N, Hq, D)."""
+    t attends to keys 0 .. s - t + i of s; with a sliding window W, only the last W of those (itself included,
+    transformers' sliding_window). Returns (N, Hq, D)."""
     groups = q.shape[1] // k.shape[1]
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     out = []
@@ -49,7 +51,9 @@ def reference_varlen_attention(q, k, v, cu_seqlens, scale: float | None = None, 
         if groups > 1:
             ki, vi = ki.repeat_interleave(groups, 1), vi.repeat_interleave(groups, 1)
         t, s = b - a, e - c
-        mask = None if t == s else torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        mask = None if t == s and not window else torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        if window:
+            mask &= torch.ones_like(mask).triu(s - t - window + 1)
         out.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
                                                   scale=scale)[0].transpose(0, 1))
     return torch.cat(out)
@@ -107,9 +111,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     Attends causally within each sequence given by kwargs cu_seq_lens_q / max_length_q (FlashAttentionKwargs)
     or by the position-id restarts; attention_mask is ignored (packed rows carry no padding). With kwargs kv_index
     (common.packing.pack_shared), each segment's keys and values are the row's tokens kv_index lists, bounded by
-    cu_seq_lens_k / max_length_k, aligned at the segment's end."""
-    if sliding_window is not None:
-        raise NotImplementedError("--attn-impl varlen does not implement sliding-window attention; use sdpa")
+    cu_seq_lens_k / max_length_k, aligned at the segment's end. sliding_window W (Gemma-3's local layers, Mistral,
+    Phi-3): each query attends to its last W keys, itself included (flash-attn's window_size left = W - 1)."""
     if dropout:
         raise NotImplementedError("--attn-impl varlen does not implement attention dropout; use sdpa")
     B, Hq, T, D = query.shape
@@ -127,7 +130,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     kind = backend(q.device, q.dtype)
     if kind == "flash_attn":
         from flash_attn import flash_attn_varlen_func
-        out = flash_attn_varlen_func(q, k, v, cu, cu_k, max_len, max_k, softmax_scale=scaling, causal=True)
+        out = flash_attn_varlen_func(q, k, v, cu, cu_k, max_len, max_k, softmax_scale=scaling, causal=True,
+                                     **({"window_size": (sliding_window - 1, 0)} if sliding_window else {}))
     elif kind == "torch_varlen":
         gqa = {}
         if k.shape[1] != Hq:
@@ -135,9 +139,10 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
                 gqa = {"enable_gqa": True}
             elif not _NATIVE_GQA:  # no enable_gqa and the kernel did not pass the probe: expand the kv heads
                 k, v = (x.repeat_interleave(Hq // x.shape[1], 1) for x in (k, v))
-        out = _VARLEN_ATTN(q, k, v, cu, cu_k, max_len, max_k, scale=scaling, window_size=(-1, 0), **gqa)
+        left = sliding_window - 1 if sliding_window else -1
+        out = _VARLEN_ATTN(q, k, v, cu, cu_k, max_len, max_k, scale=scaling, window_size=(left, 0), **gqa)
     else:
-        out = reference_varlen_attention(q, k, v, cu, scaling, cu_k)
+        out = reference_varlen_attention(q, k, v, cu, scaling, cu_k, sliding_window)
     return out.view(B, T, Hq, D), None
 
 

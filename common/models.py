@@ -150,7 +150,13 @@ class _Body(nn.Module):
 
     def forward(self, *args, **kwargs):
         from transformers.modeling_outputs import BaseModelOutputWithPast
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+        class Output(BaseModelOutputWithPast):
+            def __getattr__(self, name):  # what else a forward reads from its body (MoE router logits): absent
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return None
+        return Output(last_hidden_state=self.hidden)
 
 
 def logit_scale(lm: nn.Module) -> float:
@@ -172,6 +178,10 @@ def logit_scale(lm: nn.Module) -> float:
         setattr(lm, prefix, _Body(hidden))
         try:
             logits = lm(input_ids=torch.zeros(1, 2, dtype=torch.long, device=w.device)).logits.float()  # (1, 2, V)
+        except Exception as e:  # a forward this stand-in cannot satisfy: do not refuse a model for the check's sake
+            print(f"note: could not check {type(lm).__name__}'s LM head ({type(e).__name__}: {e}); taking its "
+                  f"logits as hidden states @ the output embedding", flush=True)
+            return 1.0
         finally:
             setattr(lm, prefix, body)
     s = float((logits * plain).sum() / (plain * plain).sum())  # least squares: logits ~ s * plain

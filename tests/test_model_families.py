@@ -1,5 +1,6 @@
 """The trainer's log-probs are the model's own across decoder families: TokenLogProbs (hidden states @ the output
 embedding, never the logits) against log_softmax of the model's own forward, on tiny random models of each family.
+Sliding windows (Gemma-3, Mistral: 3 tokens here, shorter than the sequences) go through every attention.
 Granite and Cohere scale their logits by a constant (folded into the temperature); a head that is not a constant
 times the output embedding (Gemma-2's soft-capped logits, a bias) and attention soft-capping under sdpa or varlen are
 refused with a message that says so. End to end: grpo.py on a tiny Granite model, where the HF engine samples from
@@ -21,7 +22,11 @@ FAMILIES = {  # name: (config class, model class, config overrides, the logit sc
     "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}, 1.0),
     "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}, 1.0),
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 8}, 1.0),
-    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, {"head_dim": 8}, 1.0),
+    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, {"head_dim": 8, "sliding_window": 3}, 1.0),  # local layers
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 3}, 1.0),  # a window on every layer
+    "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,  # its forward reads the body's router logits too
+                  {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}, 1.0),
+    "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}, 1.0),
     "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, {"logits_scaling": 4.0}, 0.25),  # logits / 4
     "cohere": (tf.CohereConfig, tf.CohereForCausalLM, {"logit_scale": 0.5}, 0.5),  # logits * 0.5
 }
@@ -42,18 +47,21 @@ def tiny(name: str, attn: str, **overrides):
 
 
 def own_logprobs(lm, ids, starts, length, temperature):
-    """log p(next token) of each sequence run alone through the model's own forward (its logits)."""
-    out = []
+    """log p(next token) of each sequence run alone through the model's own forward (its logits), with transformers'
+    eager attention (its reference: windows, soft-capping), whatever attention the model was built with."""
+    out, attn = [], lm.config._attn_implementation
+    lm.set_attn_implementation("eager")
     with torch.no_grad():
         for a in starts:
             logits = lm(input_ids=ids[:, a:a + length]).logits[0, :-1] / temperature  # (L-1, V)
             out.append(logits.log_softmax(-1).gather(1, ids[0, a + 1:a + length, None])[:, 0])
+    lm.set_attn_implementation(attn)
     return torch.cat(out)
 
 
 @pytest.mark.parametrize("impl", ["torch"] + (["fused"] if HAS_TRITON else []))
-@pytest.mark.parametrize("name,attn", [(n, a) for n in FAMILIES for a in ("varlen", "sdpa", "eager")
-                                       if (n, a) != ("gemma3", "varlen")])  # refused: the test after this one
+@pytest.mark.parametrize("attn", ["varlen", "sdpa", "eager"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_trainer_logprobs_are_the_models_own(name, attn, impl):
     lm = tiny(name, attn).float()
     model = TokenLogProbs(lm, impl)
@@ -66,12 +74,6 @@ def test_trainer_logprobs_are_the_models_own(name, attn, impl):
         logp, _ = model(ids, pos, targets, 0.7)  # (1, 12)
     got = torch.cat([logp[0, 0:5], logp[0, 6:11]])
     torch.testing.assert_close(got, own_logprobs(lm, ids, (0, 6), 6, 0.7), atol=1e-4, rtol=1e-4)
-
-
-def test_gemma3_sliding_window_refused_by_varlen_with_the_fix():
-    model = TokenLogProbs(tiny("gemma3", "varlen").float(), "torch")
-    with pytest.raises(NotImplementedError, match="sliding-window attention; use sdpa"):
-        model(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_soft_capped_logits_refused():
@@ -124,3 +126,12 @@ def test_grpo_on_granite_engine_and_trainer_agree(tmp_path, smollm2_dir):
              "--out-dir", str(tmp_path / "out"), nproc=1)
     row = [json.loads(line) for line in open(tmp_path / "out" / "grpo" / "metrics.jsonl")][-1]
     assert row["rollout/logprob_gap_mean"] < 1e-5 and row["rollout/logprob_gap_max"] < 1e-4, row
+
+
+def test_a_forward_the_check_cannot_run_keeps_the_model_and_its_body(monkeypatch, capsys):
+    import common.models as M
+    lm = tiny("llama", "sdpa")
+    body = lm.model
+    monkeypatch.setattr(M._Body, "forward", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("odd body")))
+    assert logit_scale(lm) == 1.0 and lm.model is body
+    assert "could not check LlamaForCausalLM's LM head (RuntimeError: odd body)" in capsys.readouterr().out

@@ -180,10 +180,12 @@ def test_unpack_pack_roundtrip():
 
 # ---- GPU ----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 256])
 @pytest.mark.parametrize("hq,hkv", [(14, 2), (8, 8)])
-def test_varlen_kernel_matches_sdpa_cuda_bf16(hq, hkv):
+def test_varlen_kernel_matches_sdpa_cuda_bf16(hq, hkv, window):
     """The CUDA varlen kernel (flash-attn or torch varlen_attn) against per-sequence sdpa, values and gradients,
-    with grouped KV heads as register_varlen_attention's probe decided (unexpanded if the kernel takes them)."""
+    with grouped KV heads as register_varlen_attention's probe decided (unexpanded if the kernel takes them), and
+    with a sliding window (transformers' W: the last W keys, the query's own included)."""
     register_varlen_attention()
     assert backend(torch.device("cuda"), torch.bfloat16) != "reference"
     print("varlen attention:", describe(torch.device("cuda"), torch.bfloat16))
@@ -194,14 +196,14 @@ def test_varlen_kernel_matches_sdpa_cuda_bf16(hq, hkv):
     q, k, v = make(hq), make(hkv), make(hkv)  # (1, H, N, D) as transformers passes them
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
     kw = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lens), "max_length_k": max(lens)}
-    out, _ = varlen_attention_forward(None, q, k, v, None, scaling=D ** -0.5, **kw)  # (1, N, Hq, D)
+    out, _ = varlen_attention_forward(None, q, k, v, None, scaling=D ** -0.5, sliding_window=window, **kw)
     flat = lambda x: x[0].transpose(0, 1)  # (N, H, D)
-    want = reference_varlen_attention(flat(q).float(), flat(k).float(), flat(v).float(), cu, D ** -0.5)
+    want = reference_varlen_attention(flat(q).float(), flat(k).float(), flat(v).float(), cu, D ** -0.5, window=window)
     torch.testing.assert_close(out[0].float(), want, atol=2e-2, rtol=2e-2)
     dout = torch.randn_like(out)
     got_grads = torch.autograd.grad(out, (q, k, v), dout)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = reference_varlen_attention(flat(qf), flat(kf), flat(vf), cu, D ** -0.5)
+    ref = reference_varlen_attention(flat(qf), flat(kf), flat(vf), cu, D ** -0.5, window=window)
     want_grads = torch.autograd.grad(ref, (qf, kf, vf), dout[0].float())
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=5e-2)

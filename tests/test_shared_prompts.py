@@ -43,8 +43,10 @@ def test_reference_attention_aligns_keys_at_the_end():
     torch.testing.assert_close(tail, full[3:])
 
 
-def test_attention_gathers_the_shared_keys():
-    # varlen_attention_forward with a pack_shared micro-batch equals whole-sequence attention at the same tokens
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_gathers_the_shared_keys(window):
+    # varlen_attention_forward with a pack_shared micro-batch equals whole-sequence attention at the same tokens,
+    # also with a sliding window shorter than the prompt (the keys' positions are the whole sequence's)
     prompts, responses = [[1, 2, 3, 4], [1, 2, 3, 4]], [[5, 6], [7, 8, 9]]
     shared, whole = pack_shared(prompts, responses, [0, 1]), pack(prompts, responses, [0, 1])
     g = torch.Generator().manual_seed(1)
@@ -53,9 +55,22 @@ def test_attention_gathers_the_shared_keys():
     def qkv(mb):
         x = emb[mb.input_ids[0]] + 0.1 * mb.position_ids[0, :, None].float()
         return [(x @ p).view(1, -1, p.shape[1] // 8, 8).transpose(1, 2) for p in proj]  # (1, H, T, D)
-    out_s, _ = varlen_attention_forward(None, *qkv(shared), None, **attn_kwargs(shared))
-    out_w, _ = varlen_attention_forward(None, *qkv(whole), None, **attn_kwargs(whole))
+    out_s, _ = varlen_attention_forward(None, *qkv(shared), None, sliding_window=window, **attn_kwargs(shared))
+    out_w, _ = varlen_attention_forward(None, *qkv(whole), None, sliding_window=window, **attn_kwargs(whole))
     torch.testing.assert_close(out_s[0, shared.pos], out_w[0, whole.pos])  # every position that predicts a token
+
+
+def test_reference_attention_sliding_window_is_transformers_mask():
+    # window W: query p sees keys p - W + 1 .. p, as transformers' sliding_window_overlay (kv > q - W) on top of causal
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(9, h, 8, generator=g) for h in (4, 2, 2))
+    allowed = torch.ones(9, 9, dtype=torch.bool).tril() & (torch.arange(9)[None] > torch.arange(9)[:, None] - 3)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=allowed).transpose(0, 1)
+    torch.testing.assert_close(reference_varlen_attention(q, k, v, torch.tensor([0, 9]), window=3), want)
+    tail = reference_varlen_attention(q[4:], k, v, torch.tensor([0, 5]), cu_seqlens_k=torch.tensor([0, 9]), window=3)
+    torch.testing.assert_close(tail, want[4:])  # keys aligned at the end, the window counted in the keys' positions
 
 
 def test_shard_shared_microbatches():

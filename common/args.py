@@ -120,13 +120,18 @@ class RLArgs(RunArgs):
     eval_split: str = "test"
     """held-out split to evaluate on"""
     prompt_field: str = "question"
-    """dataset field holding the prompt"""
+    """dataset field holding the prompt: text, or a chat (a list of {"role", "content"}); a.b reads a nested field"""
     answer_field: str = "answer"
-    """dataset field holding the reference answer (passed to the reward function)"""
+    """dataset field holding the reference answer (passed to the reward function); a.b reads a nested one
+    (verl's reward_model.ground_truth)"""
     instruction: str = DEFAULT_INSTRUCTION
-    """appended to every prompt before the chat template"""
+    """appended to every text prompt before the chat template (a prompt that is a chat is used as it is)"""
     chat_template: bool = True
     """apply the tokenizer's chat template to prompts"""
+    system_prompt: str | None = None
+    """a system message opening every prompt (unless the dataset's chat has one); None: the template's default"""
+    chat_template_kwargs: str = ""
+    """JSON object of chat-template variables, e.g. '{"enable_thinking": false}' (Qwen3 without thinking)"""
     max_prompt_tokens: int = 256
     """prompts longer than this are dropped (and counted)"""
     max_new_tokens: int = 96

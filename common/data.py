@@ -211,6 +211,42 @@ class PromptExample:
     answer: str
 
 
+_MISSING = object()
+
+
+def field_value(row: dict, field: str):
+    """row[field]; a dotted name reads nested objects (verl's parquet rows: reward_model.ground_truth). _MISSING when
+    absent."""
+    if field in row:
+        return row[field]
+    value = row
+    for part in field.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def is_messages(value) -> bool:
+    """A chat: a non-empty list of {"role", "content"} objects (TRL's conversational prompts, verl's parquet)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                          for m in value)
+
+
+def chat_template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object of variables for the chat template ({} when empty)."""
+    if not text.strip():
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        kwargs = e
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--chat-template-kwargs {text!r} is not a JSON object: give the template's variables, e.g. "
+                         f"'{{\"enable_thinking\": false}}' (Qwen3 without thinking)")
+    return kwargs
+
+
 def build_prompts(
     rows: list[dict],
     tokenizer,
@@ -219,36 +255,52 @@ def build_prompts(
     instruction: str | None = DEFAULT_INSTRUCTION,
     max_prompt_tokens: int = 256,
     chat_template: bool = True,
+    system_prompt: str | None = None,
+    template_kwargs: dict | None = None,
 ) -> tuple[list[PromptExample], int]:
     """Turn rows into tokenised prompts; returns (examples, number dropped for length).
 
     The user message is `row[prompt_field] + "\\n" + instruction` (just the field if instruction is
-    None). With `chat_template` and a tokenizer that has one, it goes through the chat template with
-    add_generation_prompt=True (the template adds its own special tokens); otherwise the plain text is
-    tokenised with the tokenizer's default special tokens. Prompts longer than `max_prompt_tokens` are
-    dropped (not truncated: a cut question has no correct answer) and counted.
+    None). A prompt field holding a chat (a list of {"role", "content"} messages) is the conversation as it is
+    (no instruction appended; common/chat.py reads it the same way for sft.py). `system_prompt` opens the
+    conversation unless it has a system message. A field may be a dotted path into nested objects
+    (reward_model.ground_truth). With `chat_template` and a tokenizer that has one, it goes through the chat
+    template with add_generation_prompt=True and `template_kwargs` (e.g. {"enable_thinking": False}; the template
+    adds its own special tokens); otherwise the plain text (system prompt, a blank line, the message) is tokenised with the
+    tokenizer's default special tokens. Prompts longer than `max_prompt_tokens` are dropped (not truncated: a cut
+    question has no correct answer) and counted.
     """
     if rows:
         fields = sorted(rows[0])
         for field, flag in ((prompt_field, "--prompt-field"), (answer_field, "--answer-field")):
-            if field not in rows[0]:
+            if field_value(rows[0], field) is _MISSING:
                 raise ValueError(f"field {field!r} is not in the dataset rows, which have fields {fields}; "
-                                 f"pass {flag} <one of them>")
+                                 f"pass {flag} <one of them> (a.b for a nested field)")
     use_template = chat_template and getattr(tokenizer, "chat_template", None) is not None
     texts, answers = [], []
     for i, row in enumerate(rows):
-        if prompt_field not in row or answer_field not in row:
-            missing = prompt_field if prompt_field not in row else answer_field
+        prompt, answer = field_value(row, prompt_field), field_value(row, answer_field)
+        if prompt is _MISSING or answer is _MISSING:
+            missing = prompt_field if prompt is _MISSING else answer_field
             raise ValueError(f"row {i} has no field {missing!r}; it has fields {sorted(row)}")
-        content = str(row[prompt_field]) if instruction is None else f"{row[prompt_field]}\n{instruction}"
-        if use_template:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-            )
+        if is_messages(prompt):  # a chat is the prompt as it is (as sft.py reads it): no instruction appended
+            messages = [dict(m) for m in prompt]
         else:
-            text = content
+            content = str(prompt) if instruction is None else f"{prompt}\n{instruction}"
+            messages = [{"role": "user", "content": content}]
+        if system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        if use_template:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **(template_kwargs or {}))
+        elif len(messages) > 1 and messages[0]["role"] != "system" or len(messages) > 2:
+            raise ValueError(f"row {i}: --prompt-field {prompt_field!r} holds a conversation of {len(messages)} "
+                             f"messages, which needs a chat template to become one prompt; this tokenizer has none "
+                             f"or --no-chat-template was given")
+        else:
+            text = "\n\n".join(m["content"] for m in messages)
         texts.append(text)
-        answers.append(str(row[answer_field]))
+        answers.append(str(answer))
     if not texts:
         return [], 0
     ids = tokenizer(texts, add_special_tokens=not use_template)["input_ids"]

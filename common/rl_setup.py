@@ -10,7 +10,7 @@ import torch
 from common import checkpoint as C
 from common import lora
 from common.attention import describe
-from common.data import build_prompts, load_rows
+from common.data import build_prompts, chat_template_kwargs, load_rows
 from common.engine_process import EngineProcess, check_engine_args, child_gpu, placement, resolve_num_engines
 from common.env import make_env
 from common.fsdp import copy_params, place_frozen, shard
@@ -93,7 +93,8 @@ def load_prompt_splits(args, tok, rank: int, world_size: int):
     def prompts_of(split):
         rows = load_rows(args.dataset, split, args.dataset_config)
         return build_prompts(rows, tok, args.prompt_field, args.answer_field, args.instruction,
-                             args.max_prompt_tokens, args.chat_template)
+                             args.max_prompt_tokens, args.chat_template, args.system_prompt,
+                             chat_template_kwargs(args.chat_template_kwargs))
     train, dropped = prompts_of(args.train_split)
     evals = prompts_of(args.eval_split)[0][:args.eval_size][rank::world_size] if args.eval_every else []
     return train, dropped, evals

@@ -9,6 +9,7 @@ from common.data import (
     PromptExample,
     PromptSampler,
     build_prompts,
+    chat_template_kwargs,
     load_rows,
     make_arithmetic_rows,
 )
@@ -171,6 +172,46 @@ def test_build_prompts_drops_long_prompts(tokenizer):
     assert n_dropped == 1
     assert [e.answer for e in examples] == ["1", "3"]  # non-string answers become strings
     assert all(len(e.prompt_ids) <= 100 for e in examples)
+
+
+def test_build_prompts_chat_rows_nested_answer_and_system_prompt(tokenizer):
+    """verl's parquet rows: the prompt a chat (used as it is: no instruction), the answer nested; the system prompt
+    opens a chat that has none."""
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "What is 2 + 3?"}]
+    rows = [{"prompt": chat, "reward_model": {"ground_truth": "5", "style": "rule"}},
+            {"prompt": [{"role": "system", "content": "Be brief."}] + chat[2:], "reward_model": {"ground_truth": 6}}]
+    examples, _ = build_prompts(rows, tokenizer, "prompt", "reward_model.ground_truth", "Think.",
+                                system_prompt="You add numbers.")
+    want = tokenizer.apply_chat_template([{"role": "system", "content": "You add numbers."}, *chat],
+                                         tokenize=False, add_generation_prompt=True)
+    assert examples[0].prompt_text == want and examples[0].answer == "5" and examples[1].answer == "6"
+    assert "Be brief." in examples[1].prompt_text and "You add numbers." not in examples[1].prompt_text
+    assert rows[0]["prompt"][2]["content"] == "What is 2 + 3?"  # the rows are not modified
+    with pytest.raises(ValueError, match=r"'reward_model.answer' is not in .*\(a.b for a nested field\)"):
+        build_prompts(rows, tokenizer, "prompt", "reward_model.answer")
+    with pytest.raises(ValueError, match="conversation of 3 messages, which needs a chat template"):
+        build_prompts(rows, tokenizer, "prompt", "reward_model.ground_truth", chat_template=False)
+    plain, _ = build_prompts(rows[1:], tokenizer, "prompt", "reward_model.ground_truth", None, chat_template=False)
+    assert plain[0].prompt_text == "Be brief.\n\nWhat is 2 + 3?"
+
+
+def test_build_prompts_template_variables(tokenizer):
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+                         "<assistant>{% endif %}")
+    rows = [{"question": "2 + 3?", "answer": "5"}]
+    no_thinking = chat_template_kwargs('{"enable_thinking": false}')
+    off, _ = build_prompts(rows, tok, instruction=None, template_kwargs=no_thinking)
+    on, _ = build_prompts(rows, tok, instruction=None, template_kwargs=chat_template_kwargs(""))
+    assert off[0].prompt_text == "<user>2 + 3?<think></think><assistant>"
+    assert on[0].prompt_text == "<user>2 + 3?<assistant>"
+    for bad in ("enable_thinking=false", "[1]"):
+        with pytest.raises(ValueError, match="--chat-template-kwargs .* is not a JSON object"):
+            chat_template_kwargs(bad)
 
 
 def test_build_prompts_missing_field(tokenizer):

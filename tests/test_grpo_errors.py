@@ -32,6 +32,21 @@ def test_missing_dataset_field(tiny_model_dir, tmp_path):
     assert "question" in p.stderr and "problem" in p.stderr and "--prompt-field" in p.stderr
 
 
+def test_verl_shaped_rows_with_a_system_prompt(tiny_model_dir, tmp_path):
+    """A verl-style dataset (the prompt a chat, the answer at reward_model.ground_truth) trains as it is; the system
+    prompt and the template variables reach the prompts the run sampled from."""
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "reward_model": {"ground_truth": str(i + 1)}} for i in range(4)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    run_grpo("--model", str(tiny_model_dir), "--dataset", str(data), "--prompt-field", "prompt", "--answer-field",
+             "reward_model.ground_truth", "--system-prompt", "You add one.", "--chat-template-kwargs",
+             '{"unused": true}', "--log-samples-every", "1", "--exp-name", "verl", *TINY, tmp_path=tmp_path,
+             check=True)
+    samples = [json.loads(l) for l in open(tmp_path / "verl" / "samples.jsonl")]
+    assert samples and all("You add one." in s["prompt"] and " + 1?" in s["prompt"] for s in samples), samples[0]
+    assert {s["answer"] for s in samples} <= {"1", "2", "3", "4"}
+
+
 def test_overlong_prompts_dropped_and_counted(tiny_model_dir, tmp_path):
     rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(4)]
     rows += [{"question": "word " * 400, "answer": "#### 0"}] * 2

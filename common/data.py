@@ -266,9 +266,9 @@ def build_prompts(
     conversation unless it has a system message. A field may be a dotted path into nested objects
     (reward_model.ground_truth). With `chat_template` and a tokenizer that has one, it goes through the chat
     template with add_generation_prompt=True and `template_kwargs` (e.g. {"enable_thinking": False}; the template
-    adds its own special tokens); otherwise the plain text (system prompt, a blank line, the message) is tokenised with the
-    tokenizer's default special tokens. Prompts longer than `max_prompt_tokens` are dropped (not truncated: a cut
-    question has no correct answer) and counted.
+    adds its own special tokens); otherwise the plain text (system prompt, a blank line, the message) is tokenised
+    with the tokenizer's default special tokens. Prompts longer than `max_prompt_tokens` are dropped (not truncated:
+    a cut question has no correct answer) and counted.
     """
     if rows:
         fields = sorted(rows[0])

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from kernels.logprob import HAS_TRITON, token_logprobs, token_loss
 
@@ -141,6 +142,15 @@ def eos_token_ids(tokenizer, model_path: str) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+class _BodyOutput(BaseModelOutputWithPast):
+    """The stand-in body's output: the hidden states; anything else a forward reads (MoE router logits) is None."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _Body(nn.Module):
     """Stands in for a causal LM's body in logit_scale: returns the given final hidden states whatever it is asked."""
 
@@ -149,14 +159,7 @@ class _Body(nn.Module):
         self.hidden = hidden
 
     def forward(self, *args, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutputWithPast
-
-        class Output(BaseModelOutputWithPast):
-            def __getattr__(self, name):  # what else a forward reads from its body (MoE router logits): absent
-                if name.startswith("__"):
-                    raise AttributeError(name)
-                return None
-        return Output(last_hidden_state=self.hidden)
+        return _BodyOutput(last_hidden_state=self.hidden)
 
 
 def logit_scale(lm: nn.Module) -> float:

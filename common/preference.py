@@ -246,21 +246,24 @@ def cached_reference_logprobs(cache_dir: str, key: str, compute, meta: dict) -> 
 
 
 # ---- pairs from scored samples (tools/make_pairs.py) ----------------------------------------------------------
-def pairs_from_samples(contents: list[str], texts: list[list[str]], rewards: list[list[float]],
+def pairs_from_samples(contents: list, texts: list[list[str]], rewards: list[list[float]],
                        pairs_per_prompt: int = 1, templated: bool = True) -> list[dict]:
-    """For each prompt, pair correct completions (reward > 0) with wrong ones, up to pairs_per_prompt. Rows are
-    written in format (b) (message lists) when the tokenizer has a chat template, else (a) (strings)."""
+    """For each prompt (its user message, or a chat: a message list), pair correct completions (reward > 0) with
+    wrong ones, up to pairs_per_prompt. Rows are written in format (b) (message lists) when the tokenizer has a chat
+    template, else (a) (strings; a chat's messages joined as build_prompts renders them without a template)."""
     rows = []
     for content, ts, rs in zip(contents, texts, rewards):
         good = [t for t, r in zip(ts, rs) if r > 0]
         bad = [t for t, r in zip(ts, rs) if r <= 0]
         for c, r in list(zip(good, bad))[:pairs_per_prompt]:
+            chat = isinstance(content, list)
             if templated:
-                rows.append({"prompt": [{"role": "user", "content": content}],
+                rows.append({"prompt": content if chat else [{"role": "user", "content": content}],
                              "chosen": [{"role": "assistant", "content": c}],
                              "rejected": [{"role": "assistant", "content": r}]})
             else:
-                rows.append({"prompt": content, "chosen": c, "rejected": r})
+                rows.append({"prompt": "\n\n".join(m["content"] for m in content) if chat else content, "chosen": c,
+                             "rejected": r})
     return rows
 
 

@@ -187,26 +187,45 @@ def test_pairs_from_samples():
                      "rejected": [{"role": "assistant", "content": "b"}]}]
     assert pairs_from_samples(["q"], [["a", "b"]], [[0, 1]], templated=False) == [
         {"prompt": "q", "chosen": "b", "rejected": "a"}]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}]  # a chat prompt: as it is
+    assert pairs_from_samples([chat], [["a", "b"]], [[1, 0]])[0]["prompt"] == chat
+    assert pairs_from_samples([chat], [["a", "b"]], [[1, 0]], templated=False)[0]["prompt"] == "Be brief.\n\nq"
 
 
-def test_make_pairs_cli(tmp_path, tiny_model_dir, tokenizer):
+def run_make_pairs(tmp_path, model, *flags) -> tuple[list[dict], str]:
+    """python -m tools.make_pairs with a reward of the completion's parity; returns the written rows and stdout."""
     (tmp_path / "parity_reward.py").write_text(
         "def reward(prompt, completion, answer):\n    return float(len(completion) % 2)\n")
     out = tmp_path / "pairs.jsonl"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    p = subprocess.run([sys.executable, "-m", "tools.make_pairs", "--out", str(out), "--model",
-                        str(tiny_model_dir), "--num-prompts", "6", "--samples", "6", "--max-new-tokens", "6",
-                        "--reward-fn", "parity_reward:reward", "--rollout", "hf"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "tools.make_pairs", "--out", str(out), "--model", str(model),
+                        "--samples", "6", "--max-new-tokens", "6", "--reward-fn", "parity_reward:reward",
+                        "--rollout", "hf", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows, p.stdout
+    return [json.loads(line) for line in out.read_text().splitlines()], p.stdout
+
+
+def test_make_pairs_cli(tmp_path, tiny_model_dir, tokenizer):
+    rows, stdout = run_make_pairs(tmp_path, tiny_model_dir, "--num-prompts", "6")
+    assert rows, stdout
     for row in rows:
         assert len(row["chosen"][0]["content"]) % 2 == 1 and len(row["rejected"][0]["content"]) % 2 == 0
     pairs, dropped = build_pairs(rows, tokenizer, max_length=512)  # dpo.py reads what it writes
     assert len(pairs) == len(rows) and dropped == 0
+
+
+def test_make_pairs_from_chat_prompts_and_nested_answers(tmp_path, tiny_model_dir, tokenizer):
+    """verl-shaped rows: the pairs keep each chat prompt as it is (it was str()-ed into one user message)."""
+    chat = lambda i: [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i} + 1?"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": chat(i), "reward_model": {"ground_truth": str(i + 1)}}) + "\n"
+                            for i in range(4)))
+    rows, _ = run_make_pairs(tmp_path, tiny_model_dir, "--dataset", str(data), "--prompt-field", "prompt",
+                             "--answer-field", "reward_model.ground_truth", "--num-prompts", "4")
+    assert rows and all(row["prompt"] in [chat(i) for i in range(4)] for row in rows), rows[:1]
+    assert len(build_pairs(rows, tokenizer, max_length=512)[0]) == len(rows)
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------

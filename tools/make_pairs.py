@@ -13,7 +13,7 @@ from pathlib import Path
 import tyro
 
 from common import dist as D
-from common.data import DEFAULT_INSTRUCTION, build_prompts, load_rows
+from common.data import DEFAULT_INSTRUCTION, build_prompts, field_value, is_messages, load_rows
 from common.models import eos_token_ids, load_tokenizer, resolve_model
 from common.preference import pairs_from_samples
 from common.rewards import load_reward_fn, score
@@ -32,9 +32,9 @@ class MakePairsArgs:
     split: str = "train"
     """split to sample prompts from"""
     prompt_field: str = "question"
-    """dataset field holding the question"""
+    """dataset field holding the question: text, or a chat (used as it is); a.b reads a nested field"""
     answer_field: str = "answer"
-    """dataset field holding the reference answer"""
+    """dataset field holding the reference answer; a.b reads a nested field"""
     instruction: str | None = None
     """appended to every question (default: common.data.DEFAULT_INSTRUCTION)"""
     num_prompts: int = 32
@@ -63,7 +63,8 @@ def make_pairs(args: MakePairsArgs) -> int:
     instruction = DEFAULT_INSTRUCTION if args.instruction is None else args.instruction
     rows = load_rows(args.dataset, args.split, args.dataset_config)[:args.num_prompts]
     examples, _ = build_prompts(rows, tok, args.prompt_field, args.answer_field, instruction, 10**9)
-    contents = [f"{r[args.prompt_field]}\n{instruction}" if instruction else str(r[args.prompt_field]) for r in rows]
+    prompts = [field_value(r, args.prompt_field) for r in rows]  # a chat is kept as it is (build_prompts' rule)
+    contents = [p if is_messages(p) else f"{p}\n{instruction}" if instruction else str(p) for p in prompts]
     stop_ids = eos_token_ids(tok, model_path)
     if args.rollout == "vllm" or (args.rollout == "auto" and d.device.type == "cuda"):
         from common.vllm_engine import VLLMArgs, VLLMEngine

@@ -65,9 +65,11 @@ def main() -> None:
                "--model", str(model), "--dataset", a.dataset, "--num-steps", "2", "--prompts-per-step", "8",
                "--max-new-tokens", str(a.max_new_tokens), "--temperature", "1.0", "--engine-logprobs-every", "1",
                "--eval-every", "0", "--out-dir", a.out, "--exp-name", family, "--overwrite"]
-        p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+        path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)  # keep vLLM's site
+        p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
         if p.returncode:
-            gaps[family] = f"failed ({p.returncode}): {p.stderr.strip().splitlines()[-1][:300]}"
+            errors = [line for line in p.stderr.splitlines() if "Error" in line] or p.stderr.splitlines()[-3:]
+            gaps[family] = f"failed ({p.returncode}): {errors[-1][:300] if errors else ''}"
         else:
             rows = [json.loads(line) for line in open(Path(a.out) / family / "metrics.jsonl")]
             g = lambda x: float(f"{x:.3g}")  # noqa: E731

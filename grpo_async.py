@@ -68,7 +68,7 @@ class Args(RLArgs):  # and the run, model and data, sampling, optimiser and engi
     # ---- algorithm ---------------------------------------------------------------------------------------
     async_rollout: bool = True
     """one-step off-policy: step t+1's rollout is generated during step t's update (--no-async-rollout: grpo.py)"""
-    vllm: VLLMArgs = field(default_factory=lambda: VLLMArgs(own_process=True))  # --vllm.*, own process by default
+    vllm: VLLMArgs = field(default_factory=lambda: VLLMArgs(own_process=True, num_engines=1))  # docs/grpo_async.md
     behaviour_logp: Literal["engine", "trainer"] = "engine"
     """--async-rollout's pi_old: the engine's log-probs, or the trainer's from a frozen copy of the sampling weights"""
     group_size: int = 8

@@ -147,7 +147,7 @@ class Args(RunArgs):  # and the run flags of common/args.py
     peak_flops: float = PEAK_FLOPS["H200"]
     """per-GPU dense bf16 FLOP/s, the denominator of perf/mfu (common/flops.py)"""
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)  # sharding: --fsdp.*
-    vllm: VLLMArgs = field(default_factory=VLLMArgs)  # the evaluation engine: --vllm.*
+    vllm: VLLMArgs = field(default_factory=lambda: VLLMArgs(num_engines=1))  # the evaluation engine: --vllm.*
     lora: LoraArgs = field(default_factory=LoraArgs)  # LoRA adapters: --lora.* (docs/lora.md)
 
 

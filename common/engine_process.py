@@ -20,8 +20,9 @@ same batch sooner while the GPU, mostly idle under one loop, serves them all. Re
 index in the whole batch (generate's first_request), so the samples do not depend on how the batch is cut.
 The children start at once (their imports side by side: ~30 s each on session 17's host) and build their engines
 one after the other (vLLM measures the GPU's free memory while it builds).
---vllm.num-engines 0 (auto) picks the count at start (resolve_num_engines): several engines in processes of their
-own for a small model on a GPU, one in the rank's process otherwise (auto_engine_count says when).
+--vllm.num-engines 0 (auto, grpo.py's and ppo.py's default) picks the count at start (resolve_num_engines): several
+engines in processes of their own for a small model on a GPU in a run of one rank, one in the rank's process
+otherwise (auto_engine_count says when).
 """
 import atexit
 import os
@@ -62,16 +63,20 @@ def check_engine_args(vllm_args) -> None:
 AUTO_MAX_ENGINES, AUTO_SHARE_PER_WEIGHT, AUTO_CORES_PER_ENGINE = 4, 8, 2
 
 
-def auto_engine_count(kind: str, on_gpu: bool, vllm_args, weight_bytes: int, gpu_bytes: int, cores: int) -> tuple[
-        int, str]:
+def auto_engine_count(kind: str, on_gpu: bool, vllm_args, weight_bytes: int, gpu_bytes: int, cores: int,
+                      ranks: int = 1) -> tuple[int, str]:
     """--vllm.num-engines 0 (auto): (the number of engines, why). Several only where they were measured to pay: vLLM
-    on a GPU, one GPU per engine (tensor parallelism needs the rank's own process), and a model small enough that
-    the engines' copies of its weights leave each one most of its share for the KV cache (W05's 0.5B model: 0.9 GiB
-    of weights, 4 engines in 0.35 x 139 GiB); the generation of larger models is less bound by the host's loop."""
+    on one GPU with one rank (several ranks, each with engine processes, have run on CPU only), one GPU per engine
+    (tensor parallelism needs the rank's own process), and a model small enough that the engines' copies of its
+    weights leave each one most of its share for the KV cache (W05's 0.5B model: 0.9 GiB of weights, 4 engines in
+    0.35 x 139 GiB); the generation of larger models is less bound by the host's loop."""
     if kind != "vllm" or not on_gpu:
         return 1, "the HF engine" if kind != "vllm" else "no GPU"
     if vllm_args.tensor_parallel_size > 1:
         return 1, f"--vllm.tensor-parallel-size {vllm_args.tensor_parallel_size}: one engine across the ranks"
+    if ranks > 1:
+        return 1, (f"{ranks} ranks: several engines per rank were measured with one rank only; "
+                   f"--vllm.own-process --vllm.num-engines N asks for them")
     share = int(vllm_args.gpu_memory_utilization * gpu_bytes)
     by_memory = share // max(1, AUTO_SHARE_PER_WEIGHT * weight_bytes)
     by_cores = cores // AUTO_CORES_PER_ENGINE
@@ -88,9 +93,9 @@ def resolve_num_engines(vllm_args, kind: str, gpu: int | None, weights: int, is_
         return
     gpu_bytes = torch.cuda.get_device_properties(gpu).total_memory if gpu is not None else 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # the node's ranks share its cores
     weight_bytes = weights * DTYPES[vllm_args.dtype].itemsize
-    n, why = auto_engine_count(kind, gpu is not None, vllm_args, weight_bytes, gpu_bytes, cores)
+    ranks = int(os.environ.get("WORLD_SIZE", 1))
+    n, why = auto_engine_count(kind, gpu is not None, vllm_args, weight_bytes, gpu_bytes, cores, ranks)
     vllm_args.num_engines = n
     vllm_args.own_process = vllm_args.own_process or n > 1
     if is_main:

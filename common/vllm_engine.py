@@ -86,13 +86,14 @@ class VLLMArgs:
     engine_gpu: int = -1
     """with --vllm.own-process: the GPU of the engine, an index into the rank's visible GPUs (-1: the rank's own);
     e.g. 1 with torchrun --nproc_per_node=1 on 2 GPUs puts the engine on one and the trainer on the other"""
-    num_engines: int = 1
-    """with --vllm.own-process: engines (processes) per rank on its GPU, each decoding a contiguous share of the
-    prompts with 1/N of --vllm.max-num-seqs and of --vllm.gpu-memory-utilization. Generation is bound by vLLM's
-    host loop, one core per engine: N loops share the GPU and finish a batch sooner (docs/performance.md). Each
-    holds a copy of the weights: for small models. 0 (auto): up to 4 in processes of their own (--vllm.own-process
+    num_engines: int = 0
+    """engines per rank on its GPU, each decoding a contiguous share of the prompts with 1/N of --vllm.max-num-seqs
+    and of --vllm.gpu-memory-utilization (N > 1 needs --vllm.own-process). Generation is bound by vLLM's host loop,
+    one core per engine: N loops share the GPU and finish a batch sooner (docs/performance.md). Each holds a copy
+    of the weights: for small models. 0 (auto, the default): up to 4 in processes of their own (--vllm.own-process
     implied) for a small model on a GPU, by its weights, the engines' memory share and the rank's CPU cores; else 1
-    (common.engine_process.auto_engine_count)"""
+    in the rank's process (common.engine_process.auto_engine_count). W05 on an H200: 4, 7.88 s/step against one
+    engine's 12.00 (docs/performance.md)"""
 
 
 # ---- pure helpers (CPU-tested) -------------------------------------------------------------------------------

@@ -3,7 +3,9 @@ tiny random models (2 layers, head_dim 64) of Granite (logits / 4), Gemma-3 (sli
 completions) and Mistral (window 32), plus a Qwen2 control, each trained 2 steps by grpo.py with the engine's
 log-probs logged at every step. rollout/logprob_gap_mean is the engine-vs-trainer distance: step 0 before any
 refit, step 1 after one. A family whose gap is far above the Qwen2 control's (bf16 noise) computes another
-distribution in one of the two: the head's scale, the window, or the refit's weight names.
+distribution in one of the two: the head's scale, the window, or the refit's weight names. --lr 1e-3: Adam's first
+step moves every weight by ~lr, 5 % of these models' ~0.02, so an engine left on step 0's weights would be off by
+far more than bf16 noise at step 1 (at grpo.py's default 2e-5 it would not: session 32's run could not tell).
 
     python dev/family_check.py --tokenizer-tar /tmp/assets/qwen2.5-tokenizer.tar.xz \\
         --dataset /tmp/data/gsm8k/train.jsonl --work-dir /tmp/fam --out $L/fam
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/fam/runs")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--lr", default="1e-3")
     a = ap.parse_args()
     work = Path(a.work_dir)
     if a.tokenizer_tar:
@@ -63,8 +66,8 @@ def main() -> None:
         model = build(family, tokdir, work / family)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "grpo.py",
                "--model", str(model), "--dataset", a.dataset, "--num-steps", "2", "--prompts-per-step", "8",
-               "--max-new-tokens", str(a.max_new_tokens), "--temperature", "1.0", "--engine-logprobs-every", "1",
-               "--eval-every", "0", "--out-dir", a.out, "--exp-name", family, "--overwrite"]
+               "--max-new-tokens", str(a.max_new_tokens), "--temperature", "1.0", "--lr", a.lr,
+               "--engine-logprobs-every", "1", "--eval-every", "0", "--out-dir", a.out, "--exp-name", family, "--overwrite"]
         path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)  # keep vLLM's site
         p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
         if p.returncode:

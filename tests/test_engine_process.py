@@ -14,6 +14,12 @@ from common.vllm_engine import VLLMArgs
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 
 
+def resolved() -> VLLMArgs:
+    """VLLMArgs with its engine count resolved (one): EngineProcess takes a count, not the default 0 (auto), which
+    common/rl_setup.py resolves."""
+    return VLLMArgs(num_engines=1)
+
+
 def sample(engine, seed=3):
     return engine.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=6, seed=seed, logprobs=True)
 
@@ -22,7 +28,7 @@ def sample(engine, seed=3):
 def pair(tiny_model_dir):
     """The same tiny model as an in-process HF engine and as one in a child process."""
     here = HFEngine(str(tiny_model_dir), torch.device("cpu"), pad_token_id=0, eos_token_ids=[])
-    there = E.EngineProcess("hf", str(tiny_model_dir), VLLMArgs(), 64, 0, 0, [], None)
+    there = E.EngineProcess("hf", str(tiny_model_dir), resolved(), 64, 0, 0, [], None)
     yield here, there
     there.close()
 
@@ -98,7 +104,7 @@ def test_an_error_in_the_child_comes_back_with_its_traceback_and_the_child_lives
 
 
 def test_a_dead_child_is_named(tiny_model_dir):
-    there = E.EngineProcess("hf", str(tiny_model_dir), VLLMArgs(), 64, 0, 0, [], None)
+    there = E.EngineProcess("hf", str(tiny_model_dir), resolved(), 64, 0, 0, [], None)
     there._procs[0].kill()
     there._procs[0].join()
     with pytest.raises(RuntimeError, match="rollout engine's process (is gone|died)"):
@@ -110,7 +116,7 @@ def test_a_refit_the_trainer_abandons_midway_does_not_hold_up_the_close(tiny_mod
     """The trainer fails while making the refit's buckets (an FSDP gather, say) and exits: close() must not wait its
     60 s for a child still waiting for the next bucket; the child takes the close and stops."""
     import time
-    there = E.EngineProcess("hf", str(tiny_model_dir), replace(VLLMArgs(), refit_bucket_mb=0), 64, 0, 0, [], None)
+    there = E.EngineProcess("hf", str(tiny_model_dir), replace(resolved(), refit_bucket_mb=0), 64, 0, 0, [], None)
 
     def failing():
         here = HFEngine(str(tiny_model_dir), torch.device("cpu"), pad_token_id=0, eos_token_ids=[])
@@ -127,7 +133,7 @@ def test_a_refit_the_trainer_abandons_midway_does_not_hold_up_the_close(tiny_mod
 
 def test_a_child_that_cannot_build_its_engine_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="(?s)failed in start.*Traceback"):
-        E.EngineProcess("hf", str(tmp_path / "no-such-model"), VLLMArgs(), 64, 0, 0, [], None)
+        E.EngineProcess("hf", str(tmp_path / "no-such-model"), resolved(), 64, 0, 0, [], None)
 
 
 def test_the_child_gets_the_gpu_asked_for(monkeypatch):
@@ -174,7 +180,7 @@ def test_a_world_of_one_keeps_the_local_rank_it_is_given():
 def test_a_refit_is_one_engine_call_fed_bucket_by_bucket(tiny_model_dir):
     """The child hands the whole refit to ONE engine.load_weights (vLLM checks there that every parameter came), the
     parent making a bucket only after the child took the last: with buckets of ~1 tensor, many round trips."""
-    there = E.EngineProcess("hf", str(tiny_model_dir), replace(VLLMArgs(), refit_bucket_mb=0), 64, 0, 0, [], None)
+    there = E.EngineProcess("hf", str(tiny_model_dir), replace(resolved(), refit_bucket_mb=0), 64, 0, 0, [], None)
     try:
         assert there.refit_via == "cpu"  # no GPU here: CPU tensors in shared memory
         sent = []
@@ -198,13 +204,13 @@ def test_a_refit_is_one_engine_call_fed_bucket_by_bucket(tiny_model_dir):
 
 def test_tensor_parallel_engines_are_refused():
     with pytest.raises(ValueError, match="tensor-parallel-size"):
-        E.EngineProcess("vllm", "m", replace(VLLMArgs(), tensor_parallel_size=2), 64, 0, 0, [], None)
+        E.EngineProcess("vllm", "m", replace(resolved(), tensor_parallel_size=2), 64, 0, 0, [], None)
 
 
 def test_an_engine_gpu_without_its_own_process_is_refused():
     with pytest.raises(ValueError, match="engine-gpu 1 places the engine's own process: add --vllm.own-process"):
-        E.check_engine_args(replace(VLLMArgs(), engine_gpu=1))
-    E.check_engine_args(replace(VLLMArgs(), engine_gpu=1, own_process=True))
+        E.check_engine_args(replace(resolved(), engine_gpu=1))
+    E.check_engine_args(replace(resolved(), engine_gpu=1, own_process=True))
     E.check_engine_args(VLLMArgs())
 
 
@@ -226,8 +232,8 @@ def test_several_engines_split_the_prompts_refit_together_and_answer_in_order(ti
     """--vllm.num-engines 2: each child generates a contiguous share, told its place in the batch (first_request:
     vLLM's request seeds follow it; the HF engine draws from a stream of its own), the rollout keeps the prompts'
     order, one refit reaches both, and each child gets half of the batch and memory limits."""
-    args = replace(VLLMArgs(), num_engines=2, max_num_seqs=5, gpu_memory_utilization=0.3, refit_bucket_mb=0)
-    one = E.EngineProcess("hf", str(tiny_model_dir), VLLMArgs(), 64, 0, 0, [], None)
+    args = replace(resolved(), num_engines=2, max_num_seqs=5, gpu_memory_utilization=0.3, refit_bucket_mb=0)
+    one = E.EngineProcess("hf", str(tiny_model_dir), resolved(), 64, 0, 0, [], None)
     two = E.EngineProcess("hf", str(tiny_model_dir), args, 64, 0, 0, [], None)
     try:
         assert len(two._procs) == 2 and len({p.pid for p in two._procs}) == 2
@@ -271,7 +277,7 @@ def test_several_engines_split_the_prompts_refit_together_and_answer_in_order(ti
 
 
 def test_an_error_in_one_engine_of_several_keeps_the_pipes_in_step(tiny_model_dir):
-    two = E.EngineProcess("hf", str(tiny_model_dir), replace(VLLMArgs(), num_engines=2), 64, 0, 0, [], None)
+    two = E.EngineProcess("hf", str(tiny_model_dir), replace(resolved(), num_engines=2), 64, 0, 0, [], None)
     try:
         with pytest.raises(RuntimeError, match="(?s)failed in generate.*IndexError"):
             two.generate(PROMPTS[:1] + [[10**9]], n=1, temperature=1.0, max_new_tokens=2, seed=0)  # the 2nd share
@@ -292,7 +298,7 @@ def test_several_engines_start_side_by_side_and_build_one_at_a_time(tiny_model_d
         seen.append((k, expect, len(self._procs), sum(p.is_alive() for p in self._procs)))
         return value
     monkeypatch.setattr(E.EngineProcess, "_answer_one", spy)
-    three = E.EngineProcess("hf", str(tiny_model_dir), replace(VLLMArgs(), num_engines=3), 64, 0, 0, [], None)
+    three = E.EngineProcess("hf", str(tiny_model_dir), replace(resolved(), num_engines=3), 64, 0, 0, [], None)
     try:
         assert [(k, e) for k, e, _, _ in seen] == [(0, "ready"), (0, "ok"), (1, "ready"), (1, "ok"), (2, "ready"),
                                                      (2, "ok")]
@@ -302,7 +308,7 @@ def test_several_engines_start_side_by_side_and_build_one_at_a_time(tiny_model_d
         three.close()
     seen.clear()
     with pytest.raises(RuntimeError, match="(?s)failed in start.*Traceback"):
-        E.EngineProcess("hf", str(tmp_path / "no-such-model"), replace(VLLMArgs(), num_engines=2), 64, 0, 0, [], None)
+        E.EngineProcess("hf", str(tmp_path / "no-such-model"), replace(resolved(), num_engines=2), 64, 0, 0, [], None)
     failed = objs[0]
     failed.close()
     assert [p.exitcode for p in failed._procs] == [0, 0]  # the second never built: closed while waiting
@@ -310,11 +316,11 @@ def test_several_engines_start_side_by_side_and_build_one_at_a_time(tiny_model_d
 
 def test_several_engines_need_their_own_processes_and_a_batch_to_share():
     with pytest.raises(ValueError, match="num-engines 2 runs engines in processes of their own: add --vllm.own-process"):
-        E.check_engine_args(replace(VLLMArgs(), num_engines=2))
-    E.check_engine_args(replace(VLLMArgs(), num_engines=2, own_process=True))
+        E.check_engine_args(replace(resolved(), num_engines=2))
+    E.check_engine_args(replace(resolved(), num_engines=2, own_process=True))
     for bad in (0, 600):
         with pytest.raises(ValueError, match=f"num-engines {bad}: give 1 to 512"):
-            E.EngineProcess("hf", "m", replace(VLLMArgs(), num_engines=bad), 64, 0, 0, [], None)
+            E.EngineProcess("hf", "m", replace(resolved(), num_engines=bad), 64, 0, 0, [], None)
 
 
 QWEN05, QWEN7 = 494_032_768, 7_615_616_512  # Qwen2.5-0.5B (W05's model) and Qwen2.5-7B: their parameters
@@ -322,7 +328,7 @@ QWEN05, QWEN7 = 494_032_768, 7_615_616_512  # Qwen2.5-0.5B (W05's model) and Qwe
 
 def test_auto_engine_count_only_for_small_models_on_a_gpu_with_cores_to_spare():
     """--vllm.num-engines 0: 4 engines for W05's 0.5B model on an H200 with 16 cores (the measured case); fewer when
-    the memory share or the cores run short; 1 for a 7B model, the HF engine, or tensor parallelism."""
+    the memory share or the cores run short; 1 for a 7B model, the HF engine, tensor parallelism or several ranks."""
     h200, h100, auto = 139 * 2**30, 80 * 2**30, VLLMArgs(num_engines=0)
     small, large = 2 * QWEN05, 2 * QWEN7  # bf16 bytes
     count = lambda *a, **k: E.auto_engine_count(*a, **k)[0]
@@ -330,6 +336,7 @@ def test_auto_engine_count_only_for_small_models_on_a_gpu_with_cores_to_spare():
     assert count("vllm", True, auto, small, h100, 16) == 3  # 28 GiB holds 3 shares of 8 x the weights
     assert count("vllm", True, auto, small, h200, 5) == 2  # 2 cores per engine
     assert count("vllm", True, auto, small, h200, 1) == 1
+    assert count("vllm", True, auto, small, h200, 128, ranks=8) == 1  # 8 ranks: measured with one rank only
     assert count("vllm", True, replace(auto, gpu_memory_utilization=0.1), small, h200, 16) == 1  # 13.9 GiB < 2 x 7.4
     assert count("vllm", True, replace(auto, max_num_seqs=2), small, h200, 16) == 2  # a sequence per engine at least
     assert count("vllm", True, auto, large, h200, 16) == 1  # 15.2 GB of weights: one engine
@@ -342,9 +349,9 @@ def test_auto_engine_count_only_for_small_models_on_a_gpu_with_cores_to_spare():
                   "for this rank"
 
 
-def test_resolve_num_engines_reads_the_gpu_the_cores_and_the_ranks_per_node(monkeypatch, capsys):
-    """The count goes into the flags (the run's config records it) and --vllm.own-process follows it; the node's
-    cores are shared by its ranks (LOCAL_WORLD_SIZE); a count given on the command line is left alone."""
+def test_resolve_num_engines_reads_the_gpu_the_cores_and_the_ranks(monkeypatch, capsys):
+    """The count goes into the flags (the run's config records it) and --vllm.own-process follows it; with several
+    ranks (WORLD_SIZE) one engine each; a count given on the command line is left alone."""
     props = type("Props", (), {"total_memory": 139 * 2**30})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props if index == 0 else None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
@@ -353,10 +360,14 @@ def test_resolve_num_engines_reads_the_gpu_the_cores_and_the_ranks_per_node(monk
     E.resolve_num_engines(args, "vllm", gpu0, QWEN05)
     assert (args.num_engines, args.own_process) == (4, True)
     assert "--vllm.num-engines auto: 4 engines per rank in processes of their own (0.9 GiB" in capsys.readouterr().out
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 cores per rank: 2 engines each
+    monkeypatch.setenv("WORLD_SIZE", "2")  # several ranks: one engine each, in its process (not measured with more)
     args = VLLMArgs(num_engines=0)
     E.resolve_num_engines(args, "vllm", gpu0, QWEN05, is_main=False)
-    assert (args.num_engines, args.own_process) == (2, True) and capsys.readouterr().out == ""
+    assert (args.num_engines, args.own_process) == (1, False) and capsys.readouterr().out == ""
+    E.resolve_num_engines(VLLMArgs(num_engines=0), "vllm", gpu0, QWEN05)
+    assert "1 engine per rank in the rank's process (2 ranks: several engines per rank were measured with one rank " \
+           "only; --vllm.own-process --vllm.num-engines N asks for them)" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "1")
     args = VLLMArgs(num_engines=0)
     E.resolve_num_engines(args, "vllm", gpu0, QWEN7)
     assert (args.num_engines, args.own_process) == (1, False)  # in the rank's process, as without the flag
@@ -372,8 +383,8 @@ def test_resolve_num_engines_reads_the_gpu_the_cores_and_the_ranks_per_node(monk
 
 def test_a_negative_engine_count_is_refused():
     with pytest.raises(ValueError, match="num-engines -1: give a count of engines per rank, or 0 to pick it"):
-        E.check_engine_args(replace(VLLMArgs(), num_engines=-1, own_process=True))
-    E.check_engine_args(replace(VLLMArgs(), num_engines=0))  # auto needs no --vllm.own-process: it sets it
+        E.check_engine_args(replace(resolved(), num_engines=-1, own_process=True))
+    E.check_engine_args(replace(resolved(), num_engines=0))  # auto needs no --vllm.own-process: it sets it
 
 
 # ---- GPU + vLLM: the engine in its own process on the trainer's GPU ------------------------------------------------
@@ -388,7 +399,7 @@ def test_vllm_in_its_own_process_refits_over_cuda_ipc_and_over_cpu(tmp_path):
         pytest.skip("needs a CUDA GPU and vLLM")
     first = _tiny_qwen2(tmp_path / "first", seed=0)
     second = _tiny_qwen2(tmp_path / "second", seed=1)
-    args = replace(VLLMArgs(), gpu_memory_utilization=0.2, max_num_seqs=16, enforce_eager=True, refit_bucket_mb=16)
+    args = replace(resolved(), gpu_memory_utilization=0.2, max_num_seqs=16, enforce_eager=True, refit_bucket_mb=16)
     there = E.EngineProcess("vllm", str(tmp_path / "first"), args, 128, 0, 0, [], E.child_gpu(-1, 0))
     try:
         assert there.refit_via == "cuda"
@@ -420,7 +431,7 @@ def test_two_vllm_engines_on_one_gpu_refit_over_cuda_ipc_and_sample_as_one(tmp_p
         pytest.skip("needs a CUDA GPU and vLLM")
     first = _tiny_qwen2(tmp_path / "first", seed=0)
     second = _tiny_qwen2(tmp_path / "second", seed=1)
-    args = replace(VLLMArgs(), gpu_memory_utilization=0.2, max_num_seqs=16, enforce_eager=True, refit_bucket_mb=16)
+    args = replace(resolved(), gpu_memory_utilization=0.2, max_num_seqs=16, enforce_eager=True, refit_bucket_mb=16)
     prompts = _prompts(num=6)
     kw = dict(n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=11, logprobs=True)
 

@@ -185,8 +185,9 @@ def test_async_rejects_flags_it_cannot_honour(tiny_model_dir, tmp_path, flag):
 
 def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
     """runs/grpo_async_gsm8k_qwen05b.sh (a GPU recipe, not run on CPU) parses, turns the async mode on, and sets every
-    flag as runs/grpo_gsm8k_qwen05b.sh does for grpo.py but --tis-cap (refused in async mode) and where the engine runs
-    (grpo_async.py's default: a process of its own), so the two runs compare one to one."""
+    flag as runs/grpo_gsm8k_qwen05b.sh does for grpo.py but --tis-cap (refused in async mode) and where the engines run
+    (grpo_async.py's default: one in a process of its own; grpo.py's: the automatic count), so the two runs compare one
+    to one (a request's samples do not depend on how many engines share the batch)."""
     import dataclasses
     import grpo
     from common.args import cli
@@ -204,6 +205,7 @@ def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
     assert (sync.pop("exp_name"), async_.pop("exp_name")) == ("grpo_gsm8k_qwen05b", "grpo_async_gsm8k_qwen05b")
     assert (sync.pop("tis_cap"), async_.pop("tis_cap")) == (2.0, 0.0)  # TIS is refused with --async-rollout
     assert (sync["vllm"].pop("own_process"), async_["vllm"].pop("own_process")) == (False, True)  # the script's default
+    assert (sync["vllm"].pop("num_engines"), async_["vllm"].pop("num_engines")) == (0, 1)  # grpo.py's: auto
     assert async_ == sync
     assert (sync["rollout"], sync["num_steps"], sync["vllm"]["sleep_level"]) == ("vllm", 100, 0)
 

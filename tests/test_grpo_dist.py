@@ -53,10 +53,10 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
                  "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "3", "--eval-size", "4",
                  "--kl-coef", "0.05", "--num-minibatches", "2", "--max-tokens-per-microbatch", "300",
                  "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-3", "--profile-step", "1",
-                 "--engine-logprobs-every", "1", "--fsdp.keep-gathered", "on", "--vllm.num-engines", "0",
+                 "--engine-logprobs-every", "1", "--fsdp.keep-gathered", "on",
                  "--out-dir", str(tmp_path), "--exp-name", "e2e", nproc=2)
     rows = read_metrics(tmp_path / "e2e")
-    # --vllm.num-engines 0 (auto) on CPU: one HF engine in each rank's process, recorded as resolved
+    # the default --vllm.num-engines 0 (auto) on CPU: one HF engine in each rank's process, recorded as resolved
     assert "--vllm.num-engines auto: 1 engine per rank in the rank's process (the HF engine" in p.stdout
     assert re.search(r"FSDP keep gathered\W+True", p.stdout)
     # --profile-step: one table for the generate phase, one (and a trace) for the learning phases

@@ -45,7 +45,7 @@ from common import lora
 from common.args import LoraArgs, RunArgs, cli
 from common.attention import attn_kwargs, describe
 from common.chat import build_examples, row_format
-from common.data import DEFAULT_INSTRUCTION, build_prompts, load_rows
+from common.data import DEFAULT_INSTRUCTION, build_prompts, chat_template_kwargs, load_rows
 from common.evaluate import evaluate, log_eval
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
@@ -98,6 +98,10 @@ class Args(RunArgs):  # and the run flags of common/args.py
     """field holding the completion (the answer of GSM8K-style datasets; text or assistant messages)"""
     instruction: str = DEFAULT_INSTRUCTION
     """appended to every text prompt before the chat template, as grpo.py / ppo.py do ('' appends a newline only)"""
+    system_prompt: str | None = None
+    """a system message opening every conversation (unless it has one), as grpo.py's; None: the template's default"""
+    chat_template_kwargs: str = ""
+    """JSON object of chat-template variables, e.g. '{"enable_thinking": false}' (Qwen3 without thinking)"""
     assistant_mask: Literal["auto", "prefix", "generation"] = "auto"
     """which tokens are trained: prefix (render the conversation prefix by prefix), generation (the template's
     {% generation %} blocks), auto (generation when the template has them); common/chat.py"""
@@ -229,6 +233,7 @@ def main(args: Args) -> None:
     if args.eval_split and os.path.isfile(os.path.expanduser(args.dataset)):
         raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
                          "leave it unset to hold out --eval-fraction")
+    template_kwargs = chat_template_kwargs(args.chat_template_kwargs)  # a bad one stops the run here
     run_dir = Path(args.out_dir) / args.exp_name
     claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
 
@@ -250,7 +255,8 @@ def main(args: Args) -> None:
     else:
         rows, eval_rows = holdout_split(rows, args.eval_fraction, args.seed)
     fields = dict(messages_field=args.messages_field, prompt_field=args.prompt_field,
-                  completion_field=args.completion_field, instruction=args.instruction, method=args.assistant_mask)
+                  completion_field=args.completion_field, instruction=args.instruction, method=args.assistant_mask,
+                  system_prompt=args.system_prompt, template_kwargs=template_kwargs)
     train, dropped = build_examples(rows, tok, args.max_length, stop_ids, **fields,
                                     source=f"--dataset {args.dataset} ({args.train_split})")
     evals, eval_dropped = build_examples(eval_rows[:args.eval_size or None], tok, args.max_length, stop_ids,
@@ -273,7 +279,8 @@ def main(args: Args) -> None:
     engine, prompts, sampling, reward_fn = None, [], {}, None
     if args.eval_every and args.eval_accuracy_size and answers:
         prompts = build_prompts(eval_rows[:args.eval_accuracy_size], tok, args.prompt_field, args.completion_field,
-                                args.instruction, args.max_length)[0][d.rank::d.world_size]
+                                args.instruction, args.max_length, True, args.system_prompt,
+                                template_kwargs)[0][d.rank::d.world_size]
         rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
         engine = make_engine(rollout_kind, model_path, args.vllm, args.max_length + args.max_new_tokens, args.seed,
                              d.device, tok.pad_token_id, stop_ids)

@@ -21,12 +21,16 @@ The mask rule (docs/sft.md): a token is trained iff the chat template produced i
               tokens inside the blocks.
   auto        generation when the template has a {% generation %} block, else prefix.
 Without a chat template, format (b) with text fields is plain text: prompt tokens, then completion tokens and EOS
-(trained); format (a) is an error.
+(trained); format (a) is an error. A system prompt (sft.py --system-prompt) opens every conversation that has no
+system message, and chat-template variables (--chat-template-kwargs) reach every render, as in build_prompts; in
+plain text the system prompt and a blank line come before the prompt.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from common.data import with_system
 
 ROLES = ("system", "user", "assistant", "tool")
 GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -73,10 +77,11 @@ def check_messages(messages, field: str) -> list[dict]:
 
 
 def to_messages(row: dict, messages_field: str, prompt_field: str, completion_field: str,
-                instruction: str | None) -> list[dict]:
-    """One row as a message list (format (a) as it is; format (b) as prompt turns + assistant turns)."""
+                instruction: str | None, system_prompt: str | None = None) -> list[dict]:
+    """One row as a message list (format (a) as it is; format (b) as prompt turns + assistant turns), opened by
+    `system_prompt` unless it has a system message."""
     if row_format(row, messages_field, prompt_field, completion_field) == "messages":
-        return check_messages(row[messages_field], messages_field)
+        return with_system(check_messages(row[messages_field], messages_field), system_prompt)
     prompt, completion = row[prompt_field], row[completion_field]
     if isinstance(prompt, str):  # the user turn as common.data.build_prompts writes it
         prompt = [{"role": "user", "content": prompt if instruction is None else f"{prompt}\n{instruction}"}]
@@ -88,12 +93,13 @@ def to_messages(row: dict, messages_field: str, prompt_field: str, completion_fi
         raise ValueError(f"fields {prompt_field!r} and {completion_field!r} must be text or message lists")
     if any(isinstance(m, dict) and m.get("role") != "assistant" for m in completion):
         raise ValueError(f"field {completion_field!r} may only hold assistant turns")
-    return check_messages(prompt + completion, f"{prompt_field}+{completion_field}")
+    return with_system(check_messages(prompt + completion, f"{prompt_field}+{completion_field}"), system_prompt)
 
 
-def prefix_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def prefix_spans(tok, messages: list[dict], template_kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The whole conversation's render and the character span [a, b) of each assistant turn in it."""
-    render = lambda msgs, gen: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    render = lambda msgs, gen: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen,
+                                                       **(template_kwargs or {}))
     text, spans = render(messages, False), []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -108,12 +114,15 @@ def prefix_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]
     return text, spans
 
 
-def tokenize_messages(tok, messages: list[dict], stop_ids: list[int], method: str = "auto") -> Example:
-    """Token ids of a conversation rendered by the chat template and its assistant mask (the rule above)."""
+def tokenize_messages(tok, messages: list[dict], stop_ids: list[int], method: str = "auto",
+                      template_kwargs: dict | None = None) -> Example:
+    """Token ids of a conversation rendered by the chat template (with `template_kwargs`) and its assistant mask
+    (the rule above)."""
     if method == "auto":
         method = "generation" if GENERATION_BLOCK.search(tok.chat_template or "") else "prefix"
     if method == "generation":
-        out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                      **(template_kwargs or {}))
         mask = [bool(x) for x in out["assistant_masks"]]
         if not any(mask):
             raise ValueError("--assistant-mask generation: the chat template marked no assistant token (it has no "
@@ -122,7 +131,7 @@ def tokenize_messages(tok, messages: list[dict], stop_ids: list[int], method: st
     if not tok.is_fast:
         raise ValueError("--assistant-mask prefix needs a fast tokenizer (character offsets of each token); use "
                          "--assistant-mask generation with a {% generation %} template")
-    text, spans = prefix_spans(tok, messages)
+    text, spans = prefix_spans(tok, messages, template_kwargs)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, starts = list(enc["input_ids"]), [s for s, _ in enc["offset_mapping"]]
     mask, stops = [False] * len(ids), set(stop_ids)
@@ -143,7 +152,8 @@ def tokenize_plain(tok, prompt: str, completion: str) -> Example:
 
 def build_examples(rows: list[dict], tok, max_length: int, stop_ids: list[int], messages_field: str = "messages",
                    prompt_field: str = "prompt", completion_field: str = "completion", instruction: str | None = None,
-                   method: str = "auto", source: str = "the dataset") -> tuple[list[Example], int]:
+                   method: str = "auto", source: str = "the dataset", system_prompt: str | None = None,
+                   template_kwargs: dict | None = None) -> tuple[list[Example], int]:
     """Rows -> (examples, number dropped as longer than max_length tokens). A bad row is an error naming the source,
     the row and the field."""
     examples = []
@@ -152,11 +162,12 @@ def build_examples(rows: list[dict], tok, max_length: int, stop_ids: list[int], 
             if tok.chat_template is None:
                 if row_format(row, messages_field, prompt_field, completion_field) == "messages":
                     raise ValueError("is a message list, but the tokenizer has no chat template to render it")
-                ex = tokenize_plain(tok, str(row[prompt_field]) if instruction is None else
-                                    f"{row[prompt_field]}\n{instruction}", str(row[completion_field]))
+                prompt = str(row[prompt_field]) if instruction is None else f"{row[prompt_field]}\n{instruction}"
+                ex = tokenize_plain(tok, prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}",
+                                    str(row[completion_field]))
             else:
                 ex = tokenize_messages(tok, to_messages(row, messages_field, prompt_field, completion_field,
-                                                        instruction), stop_ids, method)
+                                                        instruction, system_prompt), stop_ids, method, template_kwargs)
         except ValueError as e:
             raise ValueError(f"{source}, row {i}: {e}") from None
         if not ex.num_trained:

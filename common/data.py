@@ -247,6 +247,13 @@ def chat_template_kwargs(text: str) -> dict:
     return kwargs
 
 
+def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
+    """The conversation opened by `system_prompt` (--system-prompt) unless it has a system message (None: as it is)."""
+    if system_prompt is None or messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
 def build_prompts(
     rows: list[dict],
     tokenizer,
@@ -288,8 +295,7 @@ def build_prompts(
         else:
             content = str(prompt) if instruction is None else f"{prompt}\n{instruction}"
             messages = [{"role": "user", "content": content}]
-        if system_prompt is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": system_prompt})
+        messages = with_system(messages, system_prompt)
         if use_template:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                  **(template_kwargs or {}))

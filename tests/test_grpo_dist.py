@@ -118,6 +118,27 @@ def test_two_ranks_each_with_two_engine_processes(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("script,flags", [
+    ("ppo.py", ["--num-minibatches", "1", "--num-epochs", "1"]),
+    ("grpo.py", ["--group-size", "2", "--lora.rank", "4", "--lora.alpha", "8"]),
+    ("grpo.py", ["--group-size", "2", "--env", "tests.toy_env:EveryE", "--max-turns", "3"]),
+], ids=["ppo", "lora", "env"])
+def test_engine_processes_under_ppo_lora_and_episodes(tiny_model_dir, tmp_path, script, flags):
+    """What the automatic engine count gives a small model on one GPU (engines in processes of their own), under
+    ppo.py, LoRA (the merged weights are refitted) and multi-turn episodes (an engine call per turn): after each
+    update both children hold the trainer's weights (a child left behind would be 1e-2 off at this lr)."""
+    p = torchrun(script, "--model", str(tiny_model_dir), "--num-steps", "2", "--prompts-per-step", "2", *flags,
+                 "--max-new-tokens", "8", "--reward-fn", "tests.toy_reward:letters", "--lr", "1e-2",
+                 "--engine-logprobs-every", "1", "--eval-every", "0", "--vllm.own-process", "--vllm.num-engines", "2",
+                 "--out-dir", str(tmp_path), "--exp-name", "m2", nproc=1)
+    assert re.search(r"rollout engine +hf, 2 engines per rank in processes of their own", p.stdout)
+    train = [r for r in read_metrics(tmp_path / "m2") if "reward/mean" in r]
+    assert [r["step"] for r in train] == [0, 1]
+    for r in train:
+        assert r["train/grad_norm"] > 0 and r["rollout/logprob_gap_max"] < 1e-3, r
+
+
+@pytest.mark.slow
 def test_learning_toy_task(tiny_model_dir, tmp_path):
     """Mean reward rises under grpo.py on a task a random tiny model can learn (fraction of letters a-m; top-k
     sampling keeps the candidate set small enough for a few steps to matter). Seeded."""

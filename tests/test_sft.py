@@ -98,6 +98,46 @@ def test_prompt_completion_rows_use_the_rl_prompt(tok, tiny_smollm):
         assert trained_runs(tok, ex) == [row["answer"] + "<|im_end|>"]
 
 
+@pytest.mark.parametrize("method", ["prefix", "generation"])
+def test_system_prompt_and_template_kwargs_give_the_rl_prompt(tok, tiny_smollm, method):
+    """--system-prompt and --chat-template-kwargs as grpo.py takes them: SFT conditions on the prompt grpo.py
+    generates from with the same flags, by either mask rule (the template's variable reaches every render); a chat
+    keeps its own system message; without a chat template the system prompt and a blank line open the text."""
+    tok.chat_template = GENERATION_TEMPLATE.replace("'<|im_start|>' + m['role']", "'<|im_start|>' + tag + m['role']") \
+        .replace("'<|im_start|>assistant", "'<|im_start|>' + tag + 'assistant")  # a variable in every header
+    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:2]]
+    stops, system, kw = eos_token_ids(tok, str(tiny_smollm)), "Think step by step.", {"tag": "T-"}
+    fields = dict(prompt_field="question", completion_field="answer", instruction=sft.Args.instruction)
+    examples, _ = build_examples(rows, tok, 1024, stops, **fields, method=method, system_prompt=system,
+                                 template_kwargs=kw)
+    prompts, _ = build_prompts(rows, tok, "question", "answer", sft.Args.instruction, 1024, True, system, kw)
+    for ex, p, row in zip(examples, prompts, rows):
+        assert p.prompt_text.startswith("<|im_start|>T-system\nThink step by step.<|im_end|>\n<|im_start|>T-user")
+        assert ex.ids[:ex.mask.index(True)] == p.prompt_ids
+        assert trained_runs(tok, ex) == [row["answer"] + "<|im_end|>"]
+    own, _ = build_examples([{"messages": CHAT}], tok, 1024, stops, method=method, system_prompt=system,
+                            template_kwargs=kw)  # CHAT opens with "Be brief.": kept
+    assert own[0].ids == tok(tok.apply_chat_template(CHAT, tokenize=False, tag="T-"), add_special_tokens=False)[
+        "input_ids"]
+    tok.chat_template = None
+    plain, _ = build_examples(rows, tok, 1024, stops, **fields, system_prompt=system)
+    plain_prompts, _ = build_prompts(rows, tok, "question", "answer", sft.Args.instruction, 1024, True, system)
+    assert plain_prompts[0].prompt_text.startswith("Think step by step.\n\n")
+    assert plain[0].ids[:plain[0].mask.index(True)] == plain_prompts[0].prompt_ids
+
+
+def test_sft_flags_system_prompt_and_template_kwargs(tmp_path, tiny_smollm):
+    """sft.py's flags reach the data: a bad --chat-template-kwargs stops the run before the model loads, and a system
+    prompt longer than --max-length leaves no conversation to train on."""
+    base = ["--model", str(tiny_smollm), "--dataset", str(GSM8K), "--num-steps", "1", "--eval-every", "0",
+            "--max-length", "256", "--max-tokens-per-microbatch", "512", "--out-dir", str(tmp_path)]
+    p = torchrun("sft.py", *base, "--chat-template-kwargs", "[1]", nproc=1, check=False)
+    assert p.returncode != 0 and "--chat-template-kwargs '[1]' is not a JSON object" in p.stderr
+    assert "batch geometry" not in p.stdout
+    p = torchrun("sft.py", *base, "--overwrite", "--system-prompt", "Show every step. " * 80, nproc=1, check=False)
+    assert p.returncode != 0 and "than the 0 train conversations" in p.stderr, p.stderr[-2000:]
+
+
 def test_messages_in_prompt_completion_and_max_length(tok, tiny_smollm):
     rows = [{"prompt": CHAT[:4], "completion": [CHAT[4]]}, {"messages": CHAT}]
     stops = eos_token_ids(tok, str(tiny_smollm))

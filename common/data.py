@@ -233,18 +233,24 @@ def is_messages(value) -> bool:
                                                           for m in value)
 
 
-def chat_template_kwargs(text: str) -> dict:
-    """--chat-template-kwargs: a JSON object of variables for the chat template ({} when empty)."""
+def json_object(text: str, flag: str, what: str, example: str) -> dict:
+    """A flag holding a JSON object, as a dict ({} when empty); a ValueError naming the flag, what it holds and an
+    example when the text is not JSON or not an object (--chat-template-kwargs, --vllm.llm-kwargs)."""
     if not text.strip():
         return {}
     try:
-        kwargs = json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as e:
-        kwargs = e
-    if not isinstance(kwargs, dict):
-        raise ValueError(f"--chat-template-kwargs {text!r} is not a JSON object: give the template's variables, e.g. "
-                         f"'{{\"enable_thinking\": false}}' (Qwen3 without thinking)")
-    return kwargs
+        raise ValueError(f"{flag} {text!r} is not JSON ({e}): give a JSON object of {what}, e.g. {example}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} {text!r} is a JSON {type(value).__name__}: give an object of {what}, e.g. {example}")
+    return value
+
+
+def chat_template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object of variables for the chat template ({} when empty)."""
+    return json_object(text, "--chat-template-kwargs", "the template's variables",
+                       "'{\"enable_thinking\": false}' (Qwen3 without thinking)")
 
 
 def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:

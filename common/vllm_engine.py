@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.data import json_object
 from common.dist import all_gather_objects, bind_cpus
 from common.rollout import Rollout
 from common.tracking import count_engine_pool
@@ -122,17 +123,7 @@ LLM_KWARGS_OWN = tuple(own_llm_kwargs("", VLLMArgs(), 1, 0, None))
 def extra_llm_kwargs(text: str) -> dict:
     """--vllm.llm-kwargs as a dict ({} when empty); ValueError, saying what to give instead, when it is not a JSON
     object or sets an argument of LLM_KWARGS_OWN."""
-    if not text.strip():
-        return {}
-    example = '\'{"max_num_batched_tokens": 16384}\''
-    try:
-        extra = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--vllm.llm-kwargs {text!r} is not JSON ({e}): give a JSON object of vllm.LLM arguments, "
-                         f"e.g. {example}") from e
-    if not isinstance(extra, dict):
-        raise ValueError(f"--vllm.llm-kwargs {text!r} is a JSON {type(extra).__name__}: give an object of vllm.LLM "
-                         f"arguments, e.g. {example}")
+    extra = json_object(text, "--vllm.llm-kwargs", "vllm.LLM arguments", '\'{"max_num_batched_tokens": 16384}\'')
     clash = sorted(set(extra) & set(LLM_KWARGS_OWN))
     if clash:
         flags = [f"--vllm.{k.replace('_', '-')}" for k in clash if k in VLLMArgs.__dataclass_fields__]

@@ -209,8 +209,9 @@ def test_build_prompts_template_variables(tokenizer):
     on, _ = build_prompts(rows, tok, instruction=None, template_kwargs=chat_template_kwargs(""))
     assert off[0].prompt_text == "<user>2 + 3?<think></think><assistant>"
     assert on[0].prompt_text == "<user>2 + 3?<assistant>"
-    for bad in ("enable_thinking=false", "[1]"):
-        with pytest.raises(ValueError, match="--chat-template-kwargs .* is not a JSON object"):
+    for bad, what in (("enable_thinking=false", r"is not JSON \(.*\): give a JSON object of the template's"),
+                      ("[1]", "is a JSON list: give an object of the template's variables")):
+        with pytest.raises(ValueError, match=f"--chat-template-kwargs .* {what}"):
             chat_template_kwargs(bad)
 
 

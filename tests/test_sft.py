@@ -132,7 +132,7 @@ def test_sft_flags_system_prompt_and_template_kwargs(tmp_path, tiny_smollm):
     base = ["--model", str(tiny_smollm), "--dataset", str(GSM8K), "--num-steps", "1", "--eval-every", "0",
             "--max-length", "256", "--max-tokens-per-microbatch", "512", "--out-dir", str(tmp_path)]
     p = torchrun("sft.py", *base, "--chat-template-kwargs", "[1]", nproc=1, check=False)
-    assert p.returncode != 0 and "--chat-template-kwargs '[1]' is not a JSON object" in p.stderr
+    assert p.returncode != 0 and "--chat-template-kwargs '[1]' is a JSON list: give an object" in p.stderr
     assert "batch geometry" not in p.stdout
     p = torchrun("sft.py", *base, "--overwrite", "--system-prompt", "Show every step. " * 80, nproc=1, check=False)
     assert p.returncode != 0 and "than the 0 train conversations" in p.stderr, p.stderr[-2000:]

@@ -6,6 +6,7 @@ refit, step 1 after one. A family whose gap is far above the Qwen2 control's (bf
 distribution in one of the two: the head's scale, the window, or the refit's weight names. --lr 1e-3: Adam's first
 step moves every weight by ~lr, 5 % of these models' ~0.02, so an engine left on step 0's weights would be off by
 far more than bf16 noise at step 1 (at grpo.py's default 2e-5 it would not: session 32's run could not tell).
+One engine in the rank's process: the automatic count would start 4 engine processes per family (~1 min more each).
 
     python dev/family_check.py --tokenizer-tar /tmp/assets/qwen2.5-tokenizer.tar.xz \\
         --dataset /tmp/data/gsm8k/train.jsonl --work-dir /tmp/fam --out $L/fam
@@ -67,7 +68,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "grpo.py",
                "--model", str(model), "--dataset", a.dataset, "--num-steps", "2", "--prompts-per-step", "8",
                "--max-new-tokens", str(a.max_new_tokens), "--temperature", "1.0", "--lr", a.lr,
-               "--engine-logprobs-every", "1", "--eval-every", "0", "--out-dir", a.out, "--exp-name", family, "--overwrite"]
+               "--engine-logprobs-every", "1", "--eval-every", "0", "--vllm.num-engines", "1", "--out-dir", a.out, "--exp-name", family, "--overwrite"]
         path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)  # keep vLLM's site
         p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
         if p.returncode:

@@ -92,9 +92,9 @@ class VLLMArgs:
     and of --vllm.gpu-memory-utilization (N > 1 needs --vllm.own-process). Generation is bound by vLLM's host loop,
     one core per engine: N loops share the GPU and finish a batch sooner (docs/performance.md). Each holds a copy
     of the weights: for small models. 0 (auto, the default): up to 4 in processes of their own (--vllm.own-process
-    implied) for a small model on a GPU, by its weights, the engines' memory share and the rank's CPU cores; else 1
-    in the rank's process (common.engine_process.auto_engine_count). W05 on an H200: 4, 7.88 s/step against one
-    engine's 12.00 (docs/performance.md)"""
+    implied) for a small model on a GPU in a run of one rank, by its weights, the engines' memory share and the CPU
+    cores; else 1 in the rank's process (common.engine_process.auto_engine_count). W05 on an H200: 4, 7.88 s/step
+    against one engine's 12.00 (docs/performance.md)"""
 
 
 # ---- pure helpers (CPU-tested) -------------------------------------------------------------------------------

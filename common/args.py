@@ -77,6 +77,11 @@ class PairArgs(RunArgs):
     """field holding the preferred response (text, messages, or the whole dialogue)"""
     rejected_field: str = "rejected"
     """field holding the dispreferred response"""
+    system_prompt: str | None = None
+    """a system message opening every prompt that has none, as grpo.py's (text pairs: it and a blank line before the
+    prompt); None: the template's default"""
+    chat_template_kwargs: str = ""
+    """JSON object of chat-template variables for message pairs, e.g. '{"enable_thinking": false}' (Qwen3)"""
     max_length: int = 256
     """pairs whose prompt + longer response exceed this many tokens are dropped (and counted)"""
     # ---- algorithm ---------------------------------------------------------------------------------------

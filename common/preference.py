@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from common import dist as D
+from common.data import chat_template_kwargs, load_rows, with_system
 from common.packing import MicroBatch, pack, shard_microbatches
 
 ASSISTANT_TURN = "\n\nAssistant:"  # HH-RLHF turn marker: the prompt ends right after the last shared one
@@ -69,24 +70,30 @@ def split_shared_messages(chosen: list[dict], rejected: list[dict]) -> tuple[lis
 
 
 def render_pair(row: dict, tok, prompt_field: str = "prompt", chosen_field: str = "chosen",
-                rejected_field: str = "rejected") -> tuple[str, str, str, bool]:
+                rejected_field: str = "rejected", system_prompt: str | None = None,
+                template_kwargs: dict | None = None) -> tuple[str, str, str, bool]:
     """One row -> (prompt text, chosen text, rejected text, templated). templated: the texts come from the chat
-    template (prompt carries its special tokens; no EOS to append)."""
+    template (prompt carries its special tokens; no EOS to append). `system_prompt` opens a message prompt that has
+    no system message, or a text prompt with a blank line after it (as build_prompts renders text without a
+    template); `template_kwargs` reach the template's renders."""
     chosen, rejected = row[chosen_field], row[rejected_field]
     prompt = row.get(prompt_field)
+    text = lambda p: p if system_prompt is None else f"{system_prompt}\n\n{p}"
     if prompt is None or prompt == "" or prompt == []:  # (c) whole dialogues
         if isinstance(chosen, str):
-            return (*split_shared_prefix(chosen, rejected), False)
+            prompt, chosen, rejected = split_shared_prefix(chosen, rejected)
+            return text(prompt), chosen, rejected, False
         prompt, chosen, rejected = split_shared_messages(chosen, rejected)
     if isinstance(prompt, str) and isinstance(chosen, str):  # (a) strings, used as they are
-        return prompt, chosen, rejected, False
+        return text(prompt), chosen, rejected, False
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
+    prompt, kw = with_system(list(prompt), system_prompt), template_kwargs or {}
     as_msgs = lambda r: [{"role": "assistant", "content": r}] if isinstance(r, str) else list(r)
-    prompt_text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    prompt_text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kw)
     out = []
     for resp in (chosen, rejected):  # (b) the response is what the template adds after the generation prompt
-        full = tok.apply_chat_template(list(prompt) + as_msgs(resp), tokenize=False)
+        full = tok.apply_chat_template(prompt + as_msgs(resp), tokenize=False, **kw)
         if not full.startswith(prompt_text):
             raise ValueError("the chat template renders the prompt differently with and without the response "
                              f"(prompt {prompt_text[-80:]!r}); pass the prompt as text instead")
@@ -95,8 +102,8 @@ def render_pair(row: dict, tok, prompt_field: str = "prompt", chosen_field: str 
 
 
 def build_pairs(rows: list[dict], tok, max_length: int, prompt_field: str = "prompt", chosen_field: str = "chosen",
-                rejected_field: str = "rejected", source: str = "the dataset",
-                reasons: dict | None = None) -> tuple[list[Pair], int]:
+                rejected_field: str = "rejected", source: str = "the dataset", reasons: dict | None = None,
+                system_prompt: str | None = None, template_kwargs: dict | None = None) -> tuple[list[Pair], int]:
     """Rows -> (pairs, number dropped). A pair is dropped when prompt + the longer response exceeds max_length
     tokens, a response is empty, or chosen and rejected are the same tokens (no preference: zero gradient).
     reasons, if given, receives the count per reason (too_long, empty, identical). source names the rows in errors."""
@@ -108,7 +115,8 @@ def build_pairs(rows: list[dict], tok, max_length: int, prompt_field: str = "pro
                 raise ValueError(f"{source}, row {i} (0-based): no field {f!r}; the row has {sorted(row)}. Fix the "
                                  f"row, or pass {flags[f]} if the field has another name")
         try:
-            prompt, chosen, rejected, templated = render_pair(row, tok, prompt_field, chosen_field, rejected_field)
+            prompt, chosen, rejected, templated = render_pair(row, tok, prompt_field, chosen_field, rejected_field,
+                                                              system_prompt, template_kwargs)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{source}, row {i} (0-based): {e} (fields {sorted(row)}; --prompt-field "
                              f"{prompt_field}, --chosen-field {chosen_field}, --rejected-field {rejected_field})"
@@ -132,12 +140,12 @@ def load_pair_splits(args, tok, is_main: bool) -> tuple[list[Pair], list[Pair], 
     """(train pairs, held-out pairs, train dropped, held-out dropped) for dpo.py / rm.py `args` (their --dataset,
     splits, fields, --max-length, --eval-fraction, --eval-size, --seed flags): --eval-split, or a seeded
     --eval-fraction of the train split held out. Rank 0 prints how many pairs had chosen == rejected."""
-    from common.data import load_rows
-
     def pairs_of(rows, split):
         reasons = {}
         out = build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field,
-                          source=f"--dataset {args.dataset} ({split})", reasons=reasons)
+                          source=f"--dataset {args.dataset} ({split})", reasons=reasons,
+                          system_prompt=args.system_prompt,
+                          template_kwargs=chat_template_kwargs(args.chat_template_kwargs))
         if is_main and reasons["identical"]:
             print(f"{split}: dropped {reasons['identical']} pairs whose chosen equals their rejected response "
                   f"(no preference to learn)", flush=True)
@@ -274,7 +282,7 @@ PAIR_SIZES = (("num_steps", 0), ("pairs_per_step", 1), ("num_epochs", 1), ("eval
 def check_pair_geometry(args, world_size: int, sizes: tuple = ()) -> None:
     """dpo.py / rm.py flags, checked before anything expensive; each error names the flag to change: PAIR_SIZES and
     the script's own (field, least value) sizes, a pair fits a micro-batch, each rank gets a pair, and a single file
-    has no separate eval split."""
+    has no separate eval split, and --chat-template-kwargs is a JSON object."""
     for name, least in PAIR_SIZES + tuple(sizes):
         if not getattr(args, name) >= least:  # `not >=`: NaN fails too
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
@@ -286,3 +294,4 @@ def check_pair_geometry(args, world_size: int, sizes: tuple = ()) -> None:
     if args.eval_split and os.path.isfile(os.path.expanduser(args.dataset)):
         raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
                          "leave it unset to hold out --eval-fraction")
+    chat_template_kwargs(args.chat_template_kwargs)  # a bad one stops here, before the models load

@@ -99,6 +99,40 @@ def test_message_format(tokenizer):
         prompt + [{"role": "assistant", "content": "4"}], tokenize=False)
 
 
+def test_system_prompt_and_template_kwargs(tokenizer):
+    """--system-prompt and --chat-template-kwargs (dpo.py, rm.py): a message prompt is opened by the system message
+    (one of its own is kept) and rendered with the template's variables, as grpo.py renders the same prompt; text
+    pairs and HH dialogues get the system prompt and a blank line first, as build_prompts writes text without a
+    template; a bad JSON object is refused with the flags' check, before any model loads."""
+    import copy
+    from common.data import build_prompts
+    from common.preference import check_pair_geometry
+    tok, system, kw = copy.deepcopy(tokenizer), "Be kind.", {"tag": "T-"}  # the fixture is the session's
+    tok.chat_template = ("{% for m in messages %}<{{ tag }}{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}<{{ tag }}assistant>{% endif %}")
+    row = {"prompt": "2+2?", "chosen": [{"role": "assistant", "content": "4"}], "rejected": "5"}
+    p, c, r, templated = render_pair(row, tok, system_prompt=system, template_kwargs=kw)
+    assert (p, c, r, templated) == ("<T-system>Be kind.<T-user>2+2?<T-assistant>", "4", "5", True)
+    (grpo_prompt,), _ = build_prompts([row], tok, "prompt", "chosen", None, 100, True, system, kw)
+    assert p == grpo_prompt.prompt_text  # the prompt grpo.py generates from with the same flags
+    own = dict(row, prompt=[{"role": "system", "content": "Mine."}, {"role": "user", "content": "2+2?"}])
+    assert render_pair(own, tok, system_prompt=system, template_kwargs=kw)[0] == "<T-system>Mine.<T-user>2+2?" \
+        "<T-assistant>"
+    text = {"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}
+    assert render_pair(text, tok, system_prompt=system) == ("Be kind.\n\nQ: 2+2?\nA:", " 4", " 5", False)
+    hh = {"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go"}
+    assert render_pair(hh, tok, system_prompt=system)[0] == "Be kind.\n\n\n\nHuman: hi\n\nAssistant:"
+    (pair,), _ = build_pairs([row], tok, 100, system_prompt=system, template_kwargs=kw)
+    assert tok.decode(pair.prompt_ids) == p
+    with pytest.raises(ValueError, match="--chat-template-kwargs '\\[1\\]' is a JSON list"):
+        check_pair_geometry(Args(chat_template_kwargs="[1]"), 1)
+    check_pair_geometry(Args(chat_template_kwargs='{"enable_thinking": false}', system_prompt=system), 1)
+    from common.preference import load_pair_splits  # the flags' way in: dpo.py's and rm.py's data loading
+    train, evals, _, _ = load_pair_splits(Args(system_prompt=system, eval_size=4), tokenizer, False)
+    for p in train[:4] + evals:  # the shipped HH pairs (whole dialogues in text)
+        assert tokenizer.decode(p.prompt_ids, skip_special_tokens=True).startswith("Be kind.\n\n\n\nHuman: ")
+
+
 def test_holdout_split_is_seeded():
     a, b = holdout_split(list(range(100)), 0.1, seed=3)
     assert len(b) == 10 and sorted(a + b) == list(range(100))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from common.data import with_system
+from common.data import plain_text, with_system
 
 ROLES = ("system", "user", "assistant", "tool")
 GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -163,7 +163,7 @@ def build_examples(rows: list[dict], tok, max_length: int, stop_ids: list[int], 
                 if row_format(row, messages_field, prompt_field, completion_field) == "messages":
                     raise ValueError("is a message list, but the tokenizer has no chat template to render it")
                 prompt = str(row[prompt_field]) if instruction is None else f"{row[prompt_field]}\n{instruction}"
-                ex = tokenize_plain(tok, prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}",
+                ex = tokenize_plain(tok, plain_text([{"role": "user", "content": prompt}], system_prompt),
                                     str(row[completion_field]))
             else:
                 ex = tokenize_messages(tok, to_messages(row, messages_field, prompt_field, completion_field,

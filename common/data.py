@@ -260,6 +260,12 @@ def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
     return [{"role": "system", "content": system_prompt}, *messages]
 
 
+def plain_text(messages: list[dict], system_prompt: str | None = None) -> str:
+    """A prompt without a chat template: its messages' contents a blank line apart, opened by `system_prompt` unless
+    it has a system message (build_prompts, sft.py's and dpo.py's text rows, make_pairs' rows)."""
+    return "\n\n".join(m["content"] for m in with_system(messages, system_prompt))
+
+
 def build_prompts(
     rows: list[dict],
     tokenizer,
@@ -310,7 +316,7 @@ def build_prompts(
                              f"messages, which needs a chat template to become one prompt; this tokenizer has none "
                              f"or --no-chat-template was given")
         else:
-            text = "\n\n".join(m["content"] for m in messages)
+            text = plain_text(messages)
         texts.append(text)
         answers.append(str(answer))
     if not texts:

@@ -85,16 +85,16 @@ def auto_engine_count(kind: str, on_gpu: bool, vllm_args, weight_bytes: int, gpu
                f"(--vllm.gpu-memory-utilization {vllm_args.gpu_memory_utilization}), {cores} CPU cores for this rank")
 
 
-def resolve_num_engines(vllm_args, kind: str, gpu: int | None, weights: int, is_main: bool = True) -> None:
+def resolve_num_engines(vllm_args, kind: str, gpu: int | None, weights: int, ranks: int = 1,
+                        is_main: bool = True) -> None:
     """--vllm.num-engines 0 (auto): set it from auto_engine_count for a model of `weights` parameters whose engines
-    go on GPU `gpu` (child_gpu's index; None: no GPU), and --vllm.own-process when it is more than one, so the run's
-    config records the count; print it on rank 0. Any other value is left alone."""
+    go on GPU `gpu` (child_gpu's index; None: no GPU) in a run of `ranks` ranks, and --vllm.own-process when it is
+    more than one, so the run's config records the count; print it on rank 0. Any other value is left alone."""
     if vllm_args.num_engines != 0:
         return
     gpu_bytes = torch.cuda.get_device_properties(gpu).total_memory if gpu is not None else 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     weight_bytes = weights * DTYPES[vllm_args.dtype].itemsize
-    ranks = int(os.environ.get("WORLD_SIZE", 1))
     n, why = auto_engine_count(kind, gpu is not None, vllm_args, weight_bytes, gpu_bytes, cores, ranks)
     vllm_args.num_engines = n
     vllm_args.own_process = vllm_args.own_process or n > 1

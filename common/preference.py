@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from common import dist as D
-from common.data import chat_template_kwargs, load_rows, with_system
+from common.data import chat_template_kwargs, load_rows, plain_text, with_system
 from common.packing import MicroBatch, pack, shard_microbatches
 
 ASSISTANT_TURN = "\n\nAssistant:"  # HH-RLHF turn marker: the prompt ends right after the last shared one
@@ -78,7 +78,7 @@ def render_pair(row: dict, tok, prompt_field: str = "prompt", chosen_field: str 
     template); `template_kwargs` reach the template's renders."""
     chosen, rejected = row[chosen_field], row[rejected_field]
     prompt = row.get(prompt_field)
-    text = lambda p: p if system_prompt is None else f"{system_prompt}\n\n{p}"
+    text = lambda p: plain_text([{"role": "user", "content": p}], system_prompt)
     if prompt is None or prompt == "" or prompt == []:  # (c) whole dialogues
         if isinstance(chosen, str):
             prompt, chosen, rejected = split_shared_prefix(chosen, rejected)
@@ -140,12 +140,13 @@ def load_pair_splits(args, tok, is_main: bool) -> tuple[list[Pair], list[Pair], 
     """(train pairs, held-out pairs, train dropped, held-out dropped) for dpo.py / rm.py `args` (their --dataset,
     splits, fields, --max-length, --eval-fraction, --eval-size, --seed flags): --eval-split, or a seeded
     --eval-fraction of the train split held out. Rank 0 prints how many pairs had chosen == rejected."""
+    template_kwargs = chat_template_kwargs(args.chat_template_kwargs)
+
     def pairs_of(rows, split):
         reasons = {}
         out = build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field,
                           source=f"--dataset {args.dataset} ({split})", reasons=reasons,
-                          system_prompt=args.system_prompt,
-                          template_kwargs=chat_template_kwargs(args.chat_template_kwargs))
+                          system_prompt=args.system_prompt, template_kwargs=template_kwargs)
         if is_main and reasons["identical"]:
             print(f"{split}: dropped {reasons['identical']} pairs whose chosen equals their rejected response "
                   f"(no preference to learn)", flush=True)
@@ -270,8 +271,7 @@ def pairs_from_samples(contents: list, texts: list[list[str]], rewards: list[lis
                              "chosen": [{"role": "assistant", "content": c}],
                              "rejected": [{"role": "assistant", "content": r}]})
             else:
-                rows.append({"prompt": "\n\n".join(m["content"] for m in content) if chat else content, "chosen": c,
-                             "rejected": r})
+                rows.append({"prompt": plain_text(content) if chat else content, "chosen": c, "rejected": r})
     return rows
 
 

@@ -176,7 +176,7 @@ def rollout_engine(args, kind: str, model_path: str, lm, d, tok, stop_ids):
     device, seed = d.device, args.seed
     gpu = child_gpu(args.vllm.engine_gpu, device.index or 0) if device.type == "cuda" else None  # the engines' GPU
     weights = sum(p.numel() for p in lm.parameters())  # whole-model counts (a sharded DTensor's numel is global)
-    resolve_num_engines(args.vllm, kind, gpu, weights, d.is_main)
+    resolve_num_engines(args.vllm, kind, gpu, weights, d.world_size, d.is_main)
     if args.vllm.own_process:  # a child process of its own (common/engine_process.py)
         engine = EngineProcess(kind, model_path, args.vllm, args.rollout_max_len, seed, tok.pad_token_id, stop_ids, gpu)
     else:

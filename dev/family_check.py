@@ -68,7 +68,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "grpo.py",
                "--model", str(model), "--dataset", a.dataset, "--num-steps", "2", "--prompts-per-step", "8",
                "--max-new-tokens", str(a.max_new_tokens), "--temperature", "1.0", "--lr", a.lr,
-               "--engine-logprobs-every", "1", "--eval-every", "0", "--vllm.num-engines", "1", "--out-dir", a.out, "--exp-name", family, "--overwrite"]
+               "--engine-logprobs-every", "1", "--eval-every", "0", "--vllm.num-engines", "1", "--out-dir", a.out,
+               "--exp-name", family, "--overwrite"]
         path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)  # keep vLLM's site
         p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
         if p.returncode:

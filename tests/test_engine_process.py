@@ -351,7 +351,7 @@ def test_auto_engine_count_only_for_small_models_on_a_gpu_with_cores_to_spare():
 
 def test_resolve_num_engines_reads_the_gpu_the_cores_and_the_ranks(monkeypatch, capsys):
     """The count goes into the flags (the run's config records it) and --vllm.own-process follows it; with several
-    ranks (WORLD_SIZE) one engine each; a count given on the command line is left alone."""
+    ranks one engine each; a count given on the command line is left alone."""
     props = type("Props", (), {"total_memory": 139 * 2**30})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props if index == 0 else None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
@@ -360,14 +360,12 @@ def test_resolve_num_engines_reads_the_gpu_the_cores_and_the_ranks(monkeypatch, 
     E.resolve_num_engines(args, "vllm", gpu0, QWEN05)
     assert (args.num_engines, args.own_process) == (4, True)
     assert "--vllm.num-engines auto: 4 engines per rank in processes of their own (0.9 GiB" in capsys.readouterr().out
-    monkeypatch.setenv("WORLD_SIZE", "2")  # several ranks: one engine each, in its process (not measured with more)
-    args = VLLMArgs(num_engines=0)
-    E.resolve_num_engines(args, "vllm", gpu0, QWEN05, is_main=False)
+    args = VLLMArgs(num_engines=0)  # several ranks: one engine each, in its process (not measured with more)
+    E.resolve_num_engines(args, "vllm", gpu0, QWEN05, ranks=2, is_main=False)
     assert (args.num_engines, args.own_process) == (1, False) and capsys.readouterr().out == ""
-    E.resolve_num_engines(VLLMArgs(num_engines=0), "vllm", gpu0, QWEN05)
+    E.resolve_num_engines(VLLMArgs(num_engines=0), "vllm", gpu0, QWEN05, ranks=2)
     assert "1 engine per rank in the rank's process (2 ranks: several engines per rank were measured with one rank " \
            "only; --vllm.own-process --vllm.num-engines N asks for them)" in capsys.readouterr().out
-    monkeypatch.setenv("WORLD_SIZE", "1")
     args = VLLMArgs(num_engines=0)
     E.resolve_num_engines(args, "vllm", gpu0, QWEN7)
     assert (args.num_engines, args.own_process) == (1, False)  # in the rank's process, as without the flag

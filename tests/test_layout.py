@@ -14,6 +14,10 @@ ALLOWED = {  # folder (or "scripts") -> project packages its files may import
     "common": {"common", "kernels"},
     "kernels": {"kernels"},
 }
+# (file, package) pairs allowed past ALLOWED, each with its reason (docs/architecture.md lists them too)
+EXCEPTIONS = {
+    ("bench/long_response.py", "grpo"),  # times grpo.learn_minibatch alone: grpo.py as a process would need a
+}                                        # rollout of the very lengths measured
 
 
 def imports(path: Path) -> list[tuple[str, bool]]:
@@ -51,7 +55,7 @@ def violations(root: Path) -> list[str]:
         names = imports(path)
         for name, _ in names:
             top = name.split(".")[0]
-            if top in PROJECT and top not in ALLOWED[g]:
+            if top in PROJECT and top not in ALLOWED[g] and (rel.as_posix(), top) not in EXCEPTIONS:
                 out.append(f"{rel}: imports {name} ({g} may import {sorted(ALLOWED[g]) or 'no project module'})")
             if top == "vllm" and rel != Path("common/vllm_engine.py"):
                 out.append(f"{rel}: imports {name} (vLLM is imported by common/vllm_engine.py alone)")

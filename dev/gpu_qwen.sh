@@ -60,7 +60,7 @@ fetch() {  # logs (tails) + every run's small files, one tarball into $OUT
   rm -rf /tmp/f && mkdir -p /tmp/f
   for x in $L/*.log $L/status $L/queue.out; do [ -f $x ] && tail -c 2000000 $x > /tmp/f/$(basename $x); done
   (cd /tmp && find runs logs \( -name metrics.jsonl -o -name config.json -o -name samples.jsonl -o -name summary.json \
-      -o -name 'sweep.*' -o -name family_gaps.json -o -name 'profile_step*.txt' -o -name '*.md' -o -name '*.png' -o -path 'logs/*.log' \) -size -15M -print > /tmp/f.list)
+      -o -name 'sweep.*' -o -name 'long_*.jsonl' -o -name family_gaps.json -o -name 'profile_step*.txt' -o -name '*.md' -o -name '*.png' -o -path 'logs/*.log' \) -size -15M -print > /tmp/f.list)
   tar -czf $OUT/run.tgz -C /tmp f $(cat /tmp/f.list) 2>&1 | tail -n 2; ls -la $OUT
 }
 

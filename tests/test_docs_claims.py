@@ -1,21 +1,27 @@
-"""Every raw result the README and docs/ cite exists in the repository (issue 17, item 14: a claim points to a raw
-file or says "not measured"), and no number in them is left pointing at a file that was pruned or never written."""
+"""Every raw result the README and docs/ cite exists in the repository (a claim points to a raw file or says "not
+measured"), every result folder under docs/results/ says what it is, and the reference pages stay short enough to
+read."""
 import re
+from pathlib import Path
 
 from conftest import ROOT
 
 CITED = re.compile(r"docs/results/[A-Za-z0-9_.=/-]+")  # "=": tools.sweep names cells key=value
-IN_TABLE = re.compile(r"(?<![\w/.])(session\d+/[A-Za-z0-9_./-]+)")  # the tables' "raw file (docs/results/)" column
+LINKED = re.compile(r"\]\((results/[^)#\s]+)")  # a docs page's markdown link into docs/results/
+SIZE_LIMITS = {"README.md": 12_000, "docs/performance.md": 20_000, "docs/kernels.md": 15_000,
+               "docs/vllm.md": 15_000, "docs/grpo_async.md": 15_000}  # bytes
 
 
-def cited_paths() -> dict[str, list[str]]:
+def cited_paths(root: Path | None = None) -> dict[str, list[str]]:
+    root = root or ROOT
     out: dict[str, list[str]] = {}
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         text = doc.read_text()
         for m in CITED.finditer(text):
             out.setdefault(m.group(0).rstrip(".,:;)`"), []).append(doc.name)
-        for m in IN_TABLE.finditer(text):
-            out.setdefault("docs/results/" + m.group(1).rstrip(".,:;)`"), []).append(doc.name)
+        if doc.parent.name == "docs":
+            for m in LINKED.finditer(text):
+                out.setdefault("docs/" + m.group(1).rstrip("/"), []).append(doc.name)
     return out
 
 
@@ -26,11 +32,30 @@ def test_every_cited_result_file_exists():
     assert not missing, f"cited but not in the repository: {missing}"
 
 
-def test_the_check_catches_a_missing_file(tmp_path, monkeypatch):
-    import test_docs_claims as T
+def test_the_check_catches_a_missing_file(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "README.md").write_text("see docs/results/nothing_here/metrics.jsonl.\n")
-    (tmp_path / "docs" / "performance.md").write_text("| W05 | 9 s | cmd | abc | session9/w05/summary.json |\n")
-    monkeypatch.setattr(T, "ROOT", tmp_path)
-    assert T.cited_paths() == {"docs/results/nothing_here/metrics.jsonl": ["README.md"],
-                               "docs/results/session9/w05/summary.json": ["performance.md"]}
+    (tmp_path / "docs" / "performance.md").write_text("| W05 | 9 s | [w05](results/w05_h200_2026-12-05/README.md) |\n")
+    assert cited_paths(tmp_path) == {"docs/results/nothing_here/metrics.jsonl": ["README.md"],
+                                     "docs/results/w05_h200_2026-12-05/README.md": ["performance.md"]}
+
+
+def result_folders(root: Path) -> list[Path]:
+    """The result folders: every folder directly under docs/results/."""
+    return sorted(p for p in (root / "docs" / "results").iterdir() if p.is_dir())
+
+
+def test_every_result_folder_has_a_readme_and_a_name_that_says_what_it_shows():
+    folders = result_folders(ROOT)
+    assert len(folders) >= 20
+    assert not [f.name for f in folders if not (f / "README.md").is_file()]
+    assert not [f.name for f in folders if re.search(r"session|^\d", f.name)]  # named for what it shows
+    loose = [p.name for p in (ROOT / "docs" / "results").iterdir() if p.is_file()]
+    assert not loose, f"files directly under docs/results/ (each result is a folder with a README): {loose}"
+
+
+def test_reference_pages_stay_within_their_size():
+    sizes = {name: len((ROOT / name).read_bytes()) for name in SIZE_LIMITS}
+    assert all(sizes.values())
+    over = {name: f"{size} > {SIZE_LIMITS[name]} bytes" for name, size in sizes.items() if size > SIZE_LIMITS[name]}
+    assert not over, f"pages over their size limit (cut what is not true now, or move a detail to its results README): {over}"

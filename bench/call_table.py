@@ -1,18 +1,19 @@
-"""One device call's W05 results as a table: every sub-run bench/w05.py wrote under a folder, side by side, each of
-ours against every TRL run of the same call (issue 20: a comparison with a peer counts only within one call, and
-TRL's own step moved 15 % between two runs of one call in session 27, so each ratio is given against each TRL run).
+"""One call's W05 results as a table (a call: one run of a queue on one GPU host, dev/gpu_qwen.sh): every sub-run
+bench/w05.py wrote under a folder, side by side, each of ours against every TRL run of the same call (issue 20: a
+comparison with a peer counts only within one call, and TRL's own step moved 15 % between two runs of one call on
+one H200, 2026-12-04, so each ratio is given against each TRL run).
 
-Per grpo sub-run: bench/w05.py's median step over the warm steps and their range, the phases' medians, the device
-peak (nvidia-smi) and the trainer's, the engine processes it generated with (its config.json), and whether it
-trained as the defaults do: the grad norm's range and the largest clip fraction over the steps after step 0 (from
-its metrics.jsonl), and the step-0 engine-vs-trainer log-prob gap. A fast run that trains differently (session 22's
-MPS share) shows on the same line. The last column checks issue 20's W05 goal for the run: its step at most
---goal-step seconds, at least --goal-ratio times faster than every TRL run of the call, and a device peak no higher
-than any TRL run's; "met", or what misses.
+Per grpo sub-run: bench/w05.py's median step over the warm steps and their range, the phases' medians, the device peak
+(nvidia-smi) and the trainer's, the engine processes it generated with (its config.json), and whether it trained as the
+defaults do: the grad norm's range and the largest clip fraction over the steps after step 0 (from its metrics.jsonl),
+and the step-0 engine-vs-trainer log-prob gap. A fast run that trains differently (under a CUDA MPS share of the SMs,
+2026-12-03) shows on the same line. The last column checks issue 20's W05 goal for the run: its step at most --goal-step
+seconds, at least --goal-ratio times faster than every TRL run of the call, and a device peak no higher than any TRL
+run's; "met", or what misses.
 
 Where the folder holds the queue's `status` file (dev/gpu_queue.py: "HH:MM:SS start JOB (gpu G)" lines), the rows
-come in the order the jobs started, with a "start" column (the device's clock): a drift of the machine's speed over
-the call (session 29's slow first minutes) then shows down the table.
+come in the order the jobs started, with a "start" column (the GPU host's clock): a drift of the host's speed over
+the call (one H200 on 2026-12-04 was slow for its first minutes) then shows down the table.
 
 Below the table, issue 20's defaults goal where the call has both: each grpo.py run without tuning flags (no
 --grpo-extra beyond --vllm.verbose, no bench budget, the scripts' default fused loss) as a share of the speed of the
@@ -187,7 +188,7 @@ def render(head: list[str], table: list[list[str]], markdown: bool) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("folder", type=Path, help="a device call's results (one folder per sub-run, as bench/w05.py's OUT)")
+    ap.add_argument("folder", type=Path, help="a call's results (one folder per sub-run, as bench/w05.py's OUT)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--goal-step", type=float, default=GOAL_STEP, help="seconds per step the goal column asks for")
     ap.add_argument("--goal-ratio", type=float, default=GOAL_RATIO, help="times TRL's step (every TRL run of the call)")

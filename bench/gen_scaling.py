@@ -1,7 +1,7 @@
 """How W05's sampling scales across ranks, and what the host does meanwhile (docs/performance.md, issue 7).
 
 grpo.py gives each rank its own vLLM engine and 1/world of the prompts; on W05 two GPUs generated only 1.18x
-faster than one (session 4). This bench separates the causes in one launch: every rank builds its engine as
+faster than one (2 x H200, 2026-11-30). This bench separates the causes in one launch: every rank builds its engine as
 grpo.py does, warms it up, then runs phases of W05 sampling (64 prompts x 8 samples, 256 random prompt tokens,
 512 new tokens with ignore_eos, temperature 1) with a gloo barrier before each generate:
 

@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer on workload W05, for a side-by-side with grpo.py (run by bench/w05.py --trl).
 
-The configuration is the one behind the TRL figure in ../shared/gpu/README.md (peers/trl_w05.py there): vLLM
+The configuration is the reference TRL setup for W05 that docs/performance.md compares against: vLLM
 colocated with sleep mode at 0.3 of the GPU, 32 sequences per device micro-batch, bf16, beta 0.04, one
 optimiser step per generation of 64 prompts x 8. It differs only in its inputs: the model folder and the
 prompts jsonl that bench/w05.py wrote, so both trainers see the same weights and the same prompt tokens

@@ -17,29 +17,27 @@ Where it differs from grpo.py and TRL (verl's own design, kept as people run it)
   2. The completion the reward sees is decoded with skip_special_tokens=True (verl's naive reward manager).
   3. verl recomputes pi_old with the actor before the update (timing_s/old_log_prob); grpo.py takes it from the
      update's first pass. Reported as its own phase.
-  4. Attention: sdpa with padding kept (use_remove_padding=False): flash-attn is not on the GPU machine.
+  4. Attention: sdpa with padding kept (use_remove_padding=False): flash-attn is not in the GPU host's bundle.
   5. FSDP2 as grpo.py, but verl keeps the actor's parameters in fp32 (fsdp_config.model_dtype) with bf16 compute.
 Entry point: trainer.use_v1=False, the RayPPOTrainer loop (trainer/main_ppo_v0.py's TaskRunner), still in 0.9.1
 though marked deprecated. It needs no TransferQueue (verl's transfer_queue import falls back to a stub); the default
 v1 TaskRunner (main_ppo.py) starts TransferQueue's controller and storage actors on top. --trainer v1 runs that one.
 
-Staging on the GPU machine (no registry there; ../shared/gpu/README.md):
-  here:   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # sdist only on PyPI
-          PIP_FIND_LINKS=.whl ../shared/gpu/bundle.sh .gpu-assets/verl dev/verl-bundle.txt   # 96.8 MB of wheels
-          (.whl/ and .gpu-assets/ are ignored by git; carry one part-NN per call, back to back: a gap over 30 s
-          gives the machine back)
+Staging on a GPU host without network access (dev/README.md):
+  here:   VERL=1 bash dev/gpu_assets.sh SRC   # the antlr4 4.9.3 wheel (an sdist only on PyPI), then the bundle of
+          dev/verl-bundle.txt, 96.8 MB of wheels (.gpu-assets/ is ignored by git; one part-NN per command)
   there:  mkdir -p /tmp/verl-site && cat /tmp/stage/part-* | tar -xJ -C /tmp/verl-site
           export PYTHONPATH=/tmp/site       # the base bundle (vllm 0.26.0, datasets, wandb, ...), as for grpo.py
           python bench/verl_w05.py --model ... --prompts ... --check-config --site /tmp/verl-site  # seconds, first
           python bench/w05.py --tokenizer-tar ... --only verl --verl --verl-site /tmp/verl-site --num-steps 4
-  One call is at most 10 minutes: run verl as a call of its own (--only verl; the build is reused from --work-dir);
+  Run verl as a command of its own (--only verl; the build is reused from --work-dir);
   --timeout (540 s, bench/w05.py passes its own minus 20) kills verl's process group and still prints VERL_W05.
   --site goes FIRST on the child's PYTHONPATH (this script puts it there, for this run only): verl's transformers 5.9
   and tokenizers 0.22.2 shadow the image's 5.17 and 0.23.3 (verl pins <5.11), antlr4 4.9.3 shadows the base
   bundle's 4.13.2 (hydra's grammar needs 4.9). Ray actors inherit the environment, so the order holds in the workers
   too.
   Environment set here for the child: VLLM_USE_FLASHINFER_SAMPLER=0 (flashinfer is not bundled), NCCL_NVLS_ENABLE=0,
-  TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (the machine's rule), TOKENIZERS_PARALLELISM=false,
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (NVLink multicast off), TOKENIZERS_PARALLELISM=false,
   WANDB_MODE=disabled; VLLM_ENABLE_V1_MULTIPROCESSING (bench/w05.py sets it to 0 for in-process engines) is removed:
   verl runs vLLM as a server.
   vLLM: try the base bundle's 0.26.0 first (verl 0.9's imports exist in it: vllm/entrypoints/openai/api_server.py,
@@ -177,7 +175,8 @@ def child_env(site: str | None) -> dict:
 
 def make_executable(site: str | None) -> list[str]:
     """chmod +x the ELF files under <site>/ray (gcs_server, raylet, ...) that lack it: ray starts them as programs,
-    and an unpack that drops the mode bits (session 13's bundle) fails with "PermissionError: ... gcs_server"."""
+    and an unpack that drops the mode bits (seen on one H200, 2026-12-02) fails with "PermissionError: ...
+    gcs_server"."""
     fixed = []
     for f in sorted((Path(site) / "ray").rglob("*")) if site else []:
         if f.is_file() and not os.access(f, os.X_OK) and f.open("rb").read(4) == b"\x7fELF":

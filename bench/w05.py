@@ -1,4 +1,4 @@
-"""Workload W05 end to end on the GPU machine, one command: our grpo.py, standalone vLLM, and (--trl) TRL.
+"""Workload W05 end to end on a GPU host, one command: our grpo.py, standalone vLLM, and (--trl) TRL.
 
 W05 (docs/performance.md): a Qwen2.5-0.5B-shaped model with random weights (seed 0, bf16, tied embeddings) and
 the Qwen2.5 tokenizer; 64 prompts x 8 samples per step, prompts of at most 256 tokens (GSM8K questions joined
@@ -203,7 +203,8 @@ def grpo_summary(metrics: Path) -> dict:
     gaps = [r["rollout/logprob_gap_mean"] for r in rows if "rollout/logprob_gap_mean" in r]  # --engine-logprobs-every
     s["logprob_gap_mean"] = statistics.median(gaps) if gaps else None  # steps: grpo_async.py's step 0 only
     # the update's health beside its speed: a fast run whose gradient norm or clipped share left the defaults' is not
-    # the same training (session 23: CUDA MPS at 70 % of the SMs, grad norm 1,300 against 0.41, clip_frac 4.5 % vs 0)
+    # the same training (one H200, 2026-12-03: CUDA MPS at 70 % of the SMs, grad norm 1,300 vs 0.41, clip_frac 4.5 %
+    # vs 0)
     for k in ("grad_norm", "clip_frac"):
         vals = [r[f"train/{k}"] for r in warm if f"train/{k}" in r]
         s[k] = statistics.median(vals) if vals else None
@@ -251,7 +252,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--nproc", default="1", help="GPUs per grpo/TRL run; a list runs each (scaling): 1,2")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the --nproc list this many times, alternating (1,2,1,2): on a host whose speed drifts "
-                         "(docs/performance.md, session 5) the scaling is then compared over interleaved runs")
+                         "(docs/performance.md) the scaling is then compared over interleaved runs")
     ap.add_argument("--attn-impl", default=None, help="grpo --attn-impl, a list runs each (default: varlen if "
                     "grpo.py registers it, else sdpa)")
     ap.add_argument("--num-steps", type=int, default=4)

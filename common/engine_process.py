@@ -1,10 +1,10 @@
 """The rollout engine in a process of its own (--vllm.own-process; docs/grpo_async.md, "Where it overlaps").
 
-In the trainer's process, vLLM's host loop and the trainer's Python share one GIL: grpo_async.py's background
-generation then slows the update down as much as it hides (measured, session 13). Here the engine (common.rollout's
+In the trainer's process, vLLM's host loop and the trainer's Python share one GIL: grpo_async.py's background generation
+then slows the update down as much as it hides (measured on one H200, 2026-12-02). Here the engine (common.rollout's
 make_engine: vLLM, or the HF engine on CPU) lives in a spawned child with its own interpreter, on the rank's GPU or
-another one (--vllm.engine-gpu), and `EngineProcess` forwards generate / sleep / wake / load_weights to it over a
-pipe. The calling thread waits in recv() without the GIL, so the trainer runs meanwhile.
+another one (--vllm.engine-gpu), and `EngineProcess` forwards generate / sleep / wake / load_weights to it over a pipe.
+The calling thread waits in recv() without the GIL, so the trainer runs meanwhile.
 
 Weights travel in buckets of --vllm.refit-bucket-mb, which the child pulls into one engine.load_weights call (so the
 engine sees the whole refit, as in-process: vLLM's check that every parameter was loaded holds): the parent sends a
@@ -18,7 +18,7 @@ external launcher needs one), so its engine is a single replica: no --vllm.tenso
 loop (its scheduler, per request and decode step, in Python: docs/performance.md), so N loops on N cores finish the
 same batch sooner while the GPU, mostly idle under one loop, serves them all. Request seeds follow the prompt's
 index in the whole batch (generate's first_request), so the samples do not depend on how the batch is cut.
-The children start at once (their imports side by side: ~30 s each on session 17's host) and build their engines
+The children start at once (their imports side by side: ~30 s each on one H200 host, 2026-12-02) and build their engines
 one after the other (vLLM measures the GPU's free memory while it builds).
 --vllm.num-engines 0 (auto, grpo.py's and ppo.py's default) picks the count at start (resolve_num_engines): several
 engines in processes of their own for a small model on a GPU in a run of one rank, one in the rank's process
@@ -56,8 +56,8 @@ def check_engine_args(vllm_args) -> None:
 
 
 # --vllm.num-engines 0 (auto): at most this many engines (4 measured faster than 1 on every W05 call that ran both:
-# 1.48x the step on session 16's slow host, 1.03x on session 18's fast one: `python bench/call_table.py
-# docs/results/session16`, and session18, their "defaults:" lines; docs/performance.md), each with a memory
+# 1.48x the step on a slow H200 host and 1.03x on a fast one, 2026-12-02: `python bench/call_table.py
+# docs/results/session16` and docs/results/session18, their "defaults:" lines; docs/performance.md), each with a memory
 # share (--vllm.gpu-memory-utilization / N of the GPU) of at least AUTO_SHARE_PER_WEIGHT x the weights, and 2 CPU
 # cores of the rank's for each (its host loop, and the trainer's and the children's other threads)
 AUTO_MAX_ENGINES, AUTO_SHARE_PER_WEIGHT, AUTO_CORES_PER_ENGINE = 4, 8, 2
@@ -327,7 +327,7 @@ class EngineProcess:
         return merge_rollouts(self._answer("generate", which=[k for k, _, _ in busy]))
 
     def profile_next(self, path) -> None:
-        """Run the children's next generate under torch.profiler, each writing its top kernels by device time to
+        """Run the children's next generate under torch.profiler, each writing its top kernels by GPU time to
         `path`.txt (`path`_K.txt for engine K of several): the engine's own kernels, which a profiler in the trainer's
         process does not see (common.tracking.Profile's `engine`). Only noted here: the next generate, on whichever
         thread makes it (grpo_async.py's background one), sends it first, so the pipe keeps one user at a time."""

@@ -18,7 +18,7 @@ from common.rewards import math_reward
 CALC_INSTRUCTION = ("You can use a calculator: write <calc>expression</calc> (numbers, + - * / ** and parentheses) and "
                     "the result comes back as <result>value</result>, for example <calc>(48 - 6) / 7</calc> gives "
                     "<result>6</result>. Give the final answer as \"#### <number>\" on the last line.")
-# (the worked example since session 11: without it Qwen2.5-Coder-0.5B-Instruct called the tool in 1 of 1,319 greedy
+# (the worked example: without it Qwen2.5-Coder-0.5B-Instruct called the tool in 1 of 1,319 greedy
 # GSM8K episodes at step 0, docs/multiturn.md)
 MAX_EXPR_CHARS = 200      # longer expressions are refused
 MAX_NODES = 64            # ... and so are deeper or wider trees

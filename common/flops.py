@@ -11,8 +11,8 @@ out, as in the 6N rule of Kaplan et al. 2020 and PaLM's MFU, Chowdhery et al. 20
 """
 
 # Dense bf16 matrix throughput used as the MFU denominator, FLOP/s per GPU.
-# H200: 8192^3 bf16 torch.matmul on random data measured 769-798 TFLOP/s on the lent H200s
-# (/work/.library/device/KINDS.md, 2026-10-28 and 2026-11-04); the datasheet's ~990 TFLOP/s is not reached.
+# H200: torch.matmul of two random (8192, 8192) bf16 tensors ran at 769-798 TFLOP/s on H200s (measured 2026-10-28
+# and 2026-11-04, several H200 hosts); the datasheet's ~990 TFLOP/s is not reached.
 PEAK_FLOPS = {"H200": 790e12}
 
 

@@ -18,7 +18,7 @@ from common.stop import StopFlag, exit_if_stopped, stop_agreed
 
 
 def warn_mps_share(device: str) -> None:
-    """CUDA MPS with a share of the SMs computed wrong results on the H200 measured here (sessions 23-24: the kernel
+    """CUDA MPS with a share of the SMs computed wrong results on an H200 (2026-12-03 and 12-04: the kernel
     GPU tests that pass without it failed, and the update's gradient norm was ~3,000x too large or NaN), so a run
     under one says so before it starts (docs/grpo_async.md, "Where it overlaps")."""
     share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")

@@ -200,7 +200,7 @@ def step_peak_gib() -> float:
 
 class Profile:
     """torch.profiler over part of one step (`--profile-step`): `p = Profile(on, path)` ... `p.stop(is_main)` writes
-    the top kernels by device time to `path`.txt (and prints them) and, with `trace`, a Chrome trace to
+    the top kernels by GPU time to `path`.txt (and prints them) and, with `trace`, a Chrome trace to
     `path`.json.gz (rank 0). With `python`, cProfile runs alongside and `path`_py.txt gets the Python functions by
     own time and by cumulative time: where the host time goes in a host-bound phase, which the kernel table cannot
     show (it slows the profiled step further). With `engine` in a process of its own (common.engine_process), its

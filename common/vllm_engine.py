@@ -72,7 +72,7 @@ class VLLMArgs:
     cpu_bind: bool = False
     """bind each rank's threads to its own block of the CPU cores near its GPU (NUMA node) before the engine
     starts (common.dist.bind_cpus): generation is host-bound, one Python thread per rank. For multi-socket nodes;
-    no gain measured on a VM, whose vCPU speeds the host decides (docs/performance.md, session 5)"""
+    no gain measured on a VM, whose vCPU speeds the host decides (docs/performance.md)"""
     verbose: bool = False
     """print the seconds and GPU memory of every generate / sleep / wake / refit"""
     llm_kwargs: str = ""
@@ -592,7 +592,7 @@ class VLLMEngine:
             return
         # Training ran since sleep(): torch's caching allocator still holds the blocks its activations used, and
         # vLLM's pool allocates beside it, not from it. Return them first, or the KV cache may not fit (W7B-2's
-        # third step ran out of memory here: LOG.md, session 3).
+        # third step ran out of memory here on 2 x H200, 2026-11-30).
         torch.cuda.empty_cache()
         self.llm.wake_up(tags=tags)
         self._asleep -= set(tags or ("weights", "kv_cache"))

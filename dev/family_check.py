@@ -1,11 +1,11 @@
-"""The vLLM engine and the trainer on model families other than Qwen2, for the GPU session (dev/queues/next.txt):
+"""The vLLM engine and the trainer on model families other than Qwen2, queued in dev/queues/next.txt:
 tiny random models (2 layers, head_dim 64) of Granite (logits / 4), Gemma-3 (sliding window 32, shorter than the
 completions) and Mistral (window 32), plus a Qwen2 control, each trained 2 steps by grpo.py with the engine's
 log-probs logged at every step. rollout/logprob_gap_mean is the engine-vs-trainer distance: step 0 before any
 refit, step 1 after one. A family whose gap is far above the Qwen2 control's (bf16 noise) computes another
 distribution in one of the two: the head's scale, the window, or the refit's weight names. --lr 1e-3: Adam's first
 step moves every weight by ~lr, 5 % of these models' ~0.02, so an engine left on step 0's weights would be off by
-far more than bf16 noise at step 1 (at grpo.py's default 2e-5 it would not: session 32's run could not tell).
+far more than bf16 noise at step 1 (at grpo.py's default 2e-5 it would not: a run at 2e-5 on one H200, 2026-12-05, could not tell).
 One engine in the rank's process: the automatic count would start 4 engine processes per family (~1 min more each).
 
     python dev/family_check.py --tokenizer-tar /tmp/assets/qwen2.5-tokenizer.tar.xz \\

@@ -1,18 +1,18 @@
-"""The job queue of one GPU session: each job starts as soon as the GPUs it names are free, in file order.
+"""The job queue of a GPU host: each job starts as soon as the GPUs it names are free, in file order.
 
-    setsid python3 dev/gpu_queue.py dev/queues/next.txt &      # dev/gpu_session.sh start QUEUE does this
+    setsid python3 dev/gpu_queue.py dev/queues/next.txt &      # dev/gpu_qwen.sh's `site 2` step does this
 
 Queue file, one job per line: `NAME GPUS COMMAND...` (GPUS: `0`, `1` or `0,1`, which set CUDA_VISIBLE_DEVICES; or
 lane labels such as `g` or `k`, for jobs that share the GPUs side by side: a label sets nothing, so the job sees every
 GPU unless its command pins one; `#` starts a comment). The file is
-read again before every launch, and every device call copies the working tree, so the queue can be edited in the
-middle of a session (reorder, add or delete lines that have not started) without touching running jobs. A job
+read again before every launch, and every driver step copies the file from the working tree, so the queue can be
+edited while it runs (reorder, add or delete lines that have not started) without touching running jobs. A job
 does not overtake an earlier waiting job that needs one of its GPUs, so a 2-GPU job is not starved by later
 1-GPU ones. Each job writes /tmp/logs/NAME.log (and NAME.pgid: its process group, for dev/gpu_qwen.sh stop / dump);
 starts and ends (with the exit code) go to /tmp/logs/status.
 `touch /tmp/logs/STOP` stops launching; the runner exits when nothing runs and nothing waits, or with
 QUEUE_LINGER=SECONDS it stays that long idle (touching /tmp/logs/all.done, so the driver's `poll` returns) and starts
-jobs appended meanwhile (session 12 appended one after the runner had exited: it never ran).
+jobs appended meanwhile (without it, a job appended after the runner has exited never runs).
 """
 import os
 import subprocess

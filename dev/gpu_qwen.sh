@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Driver of a GPU session with the Qwen2.5-Coder-0.5B GGUF (sessions 9 and 11; session 9's copy is in git history),
-# run on the device machine from the call's repo root as `QUEUE=dev/queues/X.txt bash dev/gpu_qwen.sh STEP`
-# (default queue dev/queues/next.txt; later calls keep the first call's QUEUE; every call copies that file to
-# /tmp/queue.txt, so edits reach the runner). Carry limit 64 MiB a call with the tree (5.5 MiB in session 13, 11 MiB
-# in session 29; pieces <= 45 MB): site0 carries .gpu-site/p-00 and the assets by name
-# (.gpu-assets/{gsm8k_train,gsm8k_test}.jsonl.xz, qwen2.5-tokenizer.tar.xz, whl; every call copies the *.xz it has to
-# /tmp/assets, the wheels to /tmp/assets/whl); `site I` .gpu-site/p-0I; model II .gpu-model/m-II.
-# Pieces: `cat` of the vLLM bundle's (../shared/gpu/bundle.sh) and of the GGUF's, `split -b 41000000` / `45000000`
-# (dev/gpu_assets.sh makes both).
+# Runs a job queue (dev/queues/*.txt) on a GPU host that has no network access, with the Qwen2.5-Coder-0.5B GGUF as
+# the real model. The host receives a copy of the working tree with each command, plus the ignored files that command
+# carries, at most 64 MiB in all (the tree is ~11 MiB), and keeps /tmp between commands; so the wheel bundle and the
+# model travel in pieces, one per command, and the queue runs detached while later commands poll it. Each step is one
+# command, run from the copy's repository root: `QUEUE=dev/queues/X.txt bash dev/gpu_qwen.sh STEP` (default queue
+# dev/queues/next.txt; later commands keep the first one's QUEUE; every command copies that file to /tmp/queue.txt,
+# so edits reach the runner). When $OUT is set, it names a folder whose files come back to the caller.
+# site0 carries .gpu-site/p-00 and the assets by name (.gpu-assets/{gsm8k_train,gsm8k_test}.jsonl.xz,
+# qwen2.5-tokenizer.tar.xz, whl; every command copies the *.xz it has to /tmp/assets, the wheels to
+# /tmp/assets/whl); `site I` carries .gpu-site/p-0I; `model II` .gpu-model/m-II. The pieces are the vLLM wheel
+# bundle and the GGUF cut with `split -b 41000000` / `45000000`; dev/gpu_assets.sh makes both.
 # Steps:
 #   site0          snapshot the tree to /tmp/repo-snap, stage vLLM piece 0, (BENCH=1) install liger, kernel bench
 #   site I         stage piece I (1, 2); after the last (2): unpack vLLM & co, GSM8K, start the queue ($QUEUE)
@@ -16,10 +18,10 @@
 #   poll SECONDS   wait (returns early when every job has ended), then summary + fetch into $OUT
 #   stop JOB...    SIGTERM the python workers under those queue jobs (by pid), wait, summary + fetch
 #   dump JOB...    SIGUSR1 those workers (common/stop.py: every thread's Python stack to the job's log), show it
-#   resnap         copy the call's tree to /tmp/repo-snap2 (jobs added later `cd` there for newer code)
-#   verl I         stage verl piece I (carry .gpu-assets/verl/part-0I, one per call; the assets call then carries the
-#                  files of .gpu-assets by name, not the folder); after 1: unpack to /tmp/verl-site, verl's
-#                  --check-config once /tmp/w05 is built, touch /tmp/verl.ok
+#   resnap         copy the command's tree to /tmp/repo-snap2 (jobs added later `cd` there for newer code)
+#   verl I         stage verl piece I (carry .gpu-assets/verl/part-0I, one per command; the assets command then
+#                  carries the files of .gpu-assets by name, not the folder); after 1: unpack to /tmp/verl-site,
+#                  verl's --check-config once /tmp/w05 is built, touch /tmp/verl.ok
 # BENCH=1 on site0 starts the kernel bench (bench/bench_logprob.py) while the rest stages.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:/tmp/repo-snap VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
@@ -28,7 +30,7 @@ export PYTHONPATH=/tmp/site:/tmp/repo-snap VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_EN
 S=/tmp/repo-snap LIVE=$PWD SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 GGUF_BYTES=491400064
 mkdir -p $L /tmp/stage /tmp/site /tmp/runs /tmp/assets /tmp/data/gsm8k /tmp/data/hh /tmp/peers
 [ -f .gpu-assets/hh_test.jsonl.gz ] && cp -n .gpu-assets/hh_test.jsonl.gz /tmp/data/hh/test.jsonl.gz
-# the queue named in the first call that names one is kept for the session's later calls (/tmp/queue.path)
+# the queue named by the first command that names one is kept for the later commands (/tmp/queue.path)
 if [ -n "${QUEUE:-}" ]; then echo "$QUEUE" > /tmp/queue.path; fi
 QUEUE=$(cat /tmp/queue.path 2>/dev/null || echo dev/queues/next.txt)
 [ -f "$QUEUE" ] && cp "$QUEUE" /tmp/queue.txt
@@ -81,17 +83,17 @@ site0)
   cat > /tmp/bench.sh <<EOF
 cd $S; export PYTHONPATH=/tmp/peers:$S
 python3 -m pip install -q --no-index --no-deps --target /tmp/peers /tmp/assets/whl/*.whl
-echo "\$(date +%T) start k29-bench" >> $L/status
-python3 bench/bench_logprob.py --variants loss --budgets-mb 2048 --loss-sub 512 --skip naive --profile --repeat 5 > $L/k29-bench.log 2>&1
-echo "\$(date +%T) end k29-bench rc=\$?" >> $L/status
+echo "\$(date +%T) start kernel-bench" >> $L/status
+python3 bench/bench_logprob.py --variants loss --budgets-mb 2048 --loss-sub 512 --skip naive --profile --repeat 5 > $L/kernel-bench.log 2>&1
+echo "\$(date +%T) end kernel-bench rc=\$?" >> $L/status
 touch /tmp/bench.done
 EOF
   if [ "${BENCH:-0}" = 1 ]; then (unset OUT; setsid bash /tmp/bench.sh < /dev/null > /dev/null 2>&1 &)
   else touch /tmp/bench.done; fi
   ;;
 site)
-  for i in $(seq 0 $(($2 - 1))); do  # a call can land on a fresh machine (session 23): its earlier pieces are gone
-    [ -f /tmp/stage/part-0$i ] || { echo "BARE MACHINE: part-0$i is not staged here (the machine changed between calls): start again at site0"; exit 3; }
+  for i in $(seq 0 $(($2 - 1))); do  # a host replaced between commands has lost the earlier pieces
+    [ -f /tmp/stage/part-0$i ] || { echo "BARE MACHINE: part-0$i is not staged here (the host changed between commands): start again at site0"; exit 3; }
   done
   cp .gpu-site/p-0$2 /tmp/stage/part-0$2 && ls /tmp/stage
   [ "$2" = 2 ] || exit 0

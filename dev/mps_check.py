@@ -1,5 +1,5 @@
-"""Which part of the trainer's step changes under CUDA MPS with an SM share (session 23/24: grad norm ~1,300 instead
-of 0.41 at step 0, NaN without shared prompts). GPU only; run it once without MPS and once under
+"""Which part of the trainer's step changes under CUDA MPS with an SM share (one H200, 2026-12-03: grad norm ~1,300
+instead of 0.41 at step 0, NaN without shared prompts). GPU only; run it once without MPS and once under
 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, then compare the JSON lines (`--compare a.jsonl b.jsonl`).
 
 Per trainer configuration (attention, shared prompts, fused loss, log-prob kernel) it prints the gradient norm of a

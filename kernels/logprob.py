@@ -705,9 +705,9 @@ def _loss_cfg(hidden):
     """token_loss's inner loop: its stats and dlogits kernels' tiles, the stats kernel's programs per SM (V split
     into ranges until there are that many) and vchunk, the columns of each logits GEMM, whose stats are folded in
     right after it (None: all of V, one GEMM per sub-block; narrower chunks are read back while they may still be
-    in the L2 cache). bench_logprob.py --loss-stream / --loss-vchunk time others. On CUDA: the fastest tiles of session
-    17's sweep (H200, N 32768, H 3584, 2,048 MB: 4 x 2048, 8 warps, 4 programs per SM, fwd+bwd 183.5 ms against
-    186.8-188.7 for the other five; docs/kernels.md)."""
+    in the L2 cache). bench_logprob.py --loss-stream / --loss-vchunk time others. On CUDA: the fastest tiles of a
+    sweep on one H200, 2026-12-02 (N 32768, H 3584, 2,048 MB: 4 x 2048, 8 warps, 4 programs per SM, fwd+bwd 183.5
+    ms against 186.8-188.7 for the other five; docs/kernels.md)."""
     if not _compiled(hidden):
         return dict(_stream_cfg(hidden), per_sm=2, vchunk=None)
     return dict(BLOCK_N=4, BLOCK_V=2048, num_warps=8, per_sm=4, vchunk=None)
@@ -821,7 +821,8 @@ def _loss_forward(hidden, weight, targets, loss_fn, token_args, temperature, nee
 
 def _scale_(x, g):
     """x *= g (a 0-dim tensor) in place. On the GPU a Triton pass: torch's mul_ of a bf16 tensor by an fp32 0-dim
-    one takes its slow (unvectorised) path, 3.1 ms for dh and dW at the bench's shape (session 18's profile)."""
+    one takes its slow (unvectorised) path, 3.1 ms for dh and dW at the bench's shape (profiled on one H200,
+    2026-12-02)."""
     if HAS_TRITON and x.numel() and x.is_contiguous() and g.numel() == 1 and (x.is_cuda or _interpreting()):
         n = x.numel()
         block = 8192 if _compiled(x) else 64

@@ -6,9 +6,9 @@
 # (default) runs as many cells at once as there are GPUs (CUDA_VISIBLE_DEVICES or all), one after another on one.
 # Rerunning the same command skips finished cells and resumes interrupted ones from their last checkpoint
 # (--save-every 10), so a run cut by a time limit continues where it stopped: `timeout -s TERM 570 bash ...` makes
-# the cells checkpoint before they leave (exec: the signal reaches the sweep, which waits for them). On the lent GPU
-# machine (no hub, no ../shared) carry the model folder and GSM8K's {train,test}.jsonl and point MODEL and DATA at
-# them. Then, where matplotlib is installed:
+# the cells checkpoint before they leave (exec: the signal reaches the sweep, which waits for them). On a GPU host
+# without network access (no hub) copy the model folder and GSM8K's {train,test}.jsonl there and point MODEL and
+# DATA at them. Then, where matplotlib is installed:
 #   python -m tools.compare runs_out/ablation_loss_agg --metrics eval/accuracy reward/mean \
 #       rollout/response_len_mean --x sequences --out docs/results/ablation_loss_agg/ablation_loss_agg.png
 set -euo pipefail

@@ -13,13 +13,13 @@
 # alone; the instruction still asks for '#### <number>'); truncated importance sampling at 2.0 (--tis-cap 2.0, which
 # asks the engine for its log-probs at every step whatever --engine-logprobs-every says), seed 2. Checkpoints every 25 steps (--resume
 # latest continues on the same machine).
-# --vllm.sleep-level 0 (engine resident): session 8 ran it beside other jobs on the same GPU, where vLLM's sleep
+# --vllm.sleep-level 0 (engine resident): a run beside other jobs on the same GPU (2026-12-01) saw vLLM's sleep
 # asserts 'Memory usage increased after sleeping' (it measures the whole device's free memory).
-# Measured (GPU session 11, 2026-12-01, 1 H200 shared with a second GRPO run): 26.99 % -> 43.97 % in 100 steps
-# (+16.98), 10.7 s/step median; docs/grpo.md "Results", docs/results/grpo_lr_seed2/lr=2e-6 (run there as a
-# tools.sweep cell with --save-every 0 --no-fused-loss). The same recipe at --seed 1 --tis-cap 0
-# --engine-logprobs-every 10 (GPU session 9): 26.99 % -> 40.64 % (+13.65), docs/results/grpo_gsm8k_qwen05b_nofmt.
-# Session 8's run used --format-coef 0.1 (26.99 % -> 40.11 %, a collapse to bare '#### n' answers at steps 7-20;
+# Measured (2026-12-01, 1 H200 shared with a second GRPO run, commit 31402c7): 26.99 % -> 43.97 % in 100 steps (+16.98),
+# 10.7 s/step median; docs/grpo.md "Results", docs/results/grpo_lr_seed2/lr=2e-6 (run there as a tools.sweep cell with
+# --save-every 0 --no-fused-loss). The same recipe at --seed 1 --tis-cap 0 --engine-logprobs-every 10 (2026-12-01,
+# commit e9dafa7): 26.99 % -> 40.64 % (+13.65), docs/results/grpo_gsm8k_qwen05b_nofmt. An earlier run (2026-12-01) used
+# --format-coef 0.1 (26.99 % -> 40.11 %, a collapse to bare '#### n' answers at steps 7-20;
 # docs/results/grpo_gsm8k_qwen05b): pass --format-coef 0.1 --seed 1 --tis-cap 0 to reproduce it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

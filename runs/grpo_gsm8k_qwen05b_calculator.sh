@@ -6,7 +6,7 @@
 #     bash runs/grpo_gsm8k_qwen05b_calculator.sh [more grpo.py flags]
 # The prompt explains the call format (common.environments.CALC_INSTRUCTION). Each episode: up to 4 model turns of up
 # to 512 tokens, 1024 tokens after the prompt in all (tool results included); only the model's tokens are in the loss.
-# Run for 40 steps on the H200 (session 12, docs/results/grpo_calc_qwen05b/): accuracy 19.09 -> 37.03 % (plain run at
+# Run for 40 steps on one H200 (2026-12-02, docs/results/grpo_calc_qwen05b/): accuracy 19.09 -> 37.03 % (plain run at
 # equal samples 36.16 %), tool calls fell from ~2 % of sampled episodes to none by step 14.
 set -euo pipefail
 cd "$(dirname "$0")/.."

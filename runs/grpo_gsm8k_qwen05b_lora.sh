@@ -7,7 +7,7 @@
 #   MODEL=/path/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf DATA=/path/gsm8k OUT_DIR=runs_out \
 #     bash runs/grpo_gsm8k_qwen05b_lora.sh [more grpo.py flags]
 # MODEL and DATA: as runs/grpo_gsm8k_qwen05b.sh.
-# Run on the H200 for 40 steps (session 12): docs/results/grpo_lora_qwen05b/ (LoRA +3.7 points at step 40, full +9.2).
+# Run on one H200 for 40 steps (2026-12-02): docs/results/grpo_lora_qwen05b/ (LoRA +3.7 points at step 40, full +9.2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec bash runs/grpo_gsm8k_qwen05b.sh --exp-name grpo_gsm8k_qwen05b_lora --lr 2e-5 \

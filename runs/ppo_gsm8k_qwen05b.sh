@@ -8,8 +8,8 @@
 # policy's weights and learns alone for 3 steps); gamma = lambda = 1 (Monte-Carlo returns minus V, as verl's GSM8K
 # recipe); no KL penalty (no reference model); clip 0.2 / 0.28; reward as GRPO's (correct + 0.1 x format).
 # --vllm.sleep-level 0 (engine resident): with other jobs on the same GPU vLLM's sleep asserts on device-wide memory
-# (grpo recipe). Measured (GPU session 9, 2026-12-01, 1 H200, beside GRPO until step 51): 26.99 % -> 37.91 % at
-# step 60, stopped after step 77 (device time); docs/ppo.md, docs/results/ppo_gsm8k_qwen05b.
+# (grpo recipe). Measured (2026-12-01, commit e9dafa7, 1 H200, beside GRPO until step 51): 26.99 % -> 37.91 % at
+# step 60, stopped by SIGTERM after step 77 (the host's time ran out); docs/ppo.md, docs/results/ppo_gsm8k_qwen05b.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to the assembled Qwen2.5-Coder-0.5B-Instruct .gguf}"

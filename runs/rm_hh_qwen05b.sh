@@ -9,7 +9,7 @@
 # 2. grpo.py: the prompts are the first human turn of each TRAIN pair (the held-out pairs' prompts are the eval
 #    split); reward = the RM's score alone (--rule-coef 0; --reward-fn format is computed, weighted 0 and logged as
 #    reward/rule_mean), running-normalised; reward/rm_mean should rise. Samples every 5 steps in samples.jsonl.
-# Measured (GPU session 11, 2026-12-01, 1 H200 shared with two GRPO runs, grpo.py at --num-steps 30): RM held-out
+# Measured (2026-12-01, commit 31402c7, 1 H200 shared with two GRPO runs, grpo.py at --num-steps 30): RM held-out
 #   accuracy 0.491 -> 0.678 (230 pairs); GRPO RM score +1.02 -> +3.10 by reward hacking (from step 15 every logged
 #   sample is one refusal; 117 -> 12 tokens). docs/rm.md, docs/results/rm_hh_qwen05b/ and grpo_hh_rm_qwen05b/.
 set -euo pipefail

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # SFT warm start on GSM8K's train answers with Qwen2.5-Coder-0.5B-Instruct, one H200, then GRPO from its export.
-# Measured (GPU session 9, 2026-12-01, 1 H200; docs/sft.md, docs/results/sft_gsm8k_qwen05b): the recipe as it is
+# Measured (2026-12-01, commit e9dafa7, 1 H200; docs/sft.md, docs/results/sft_gsm8k_qwen05b): the recipe as it is
 # now, run with GRPO_STEPS=0 --save-every 0 --no-fused-loss --overwrite: starting accuracy 24.56 % with the warm
 # start against 26.99 % without (1,319 test questions, grpo.py's evaluation), '####' format 0.1 % -> 94.8 %.
 #  1. sft.py: GSM8K train (question, answer) pairs as (user turn with grpo.py's instruction, assistant answer);
 #     40 steps of 64 conversations (2,560 of the 7,473; `--num-steps 0 --num-epochs 2` would give the 232-step,
 #     2-epoch run first planned, not run), lr 1e-5 cosine after 10 warm-up steps, loss over the answer tokens only;
 #     eval/loss on 256 test conversations and greedy eval/accuracy (vLLM, 512 new tokens, grpo.py's evaluation) at
-#     step 0 and at the end; exported (fp32). In session 9 sft.py's eval/accuracy covered only the first 256 test
+#     step 0 and at the end; exported (fp32). In that run sft.py's eval/accuracy covered only the first 256 test
 #     questions (--eval-size truncated them before --eval-accuracy-size applied), not 1,319.
 #  2. runs/grpo_gsm8k_qwen05b.sh with --model the export: its step-0 evaluation (full test split) is the
-#     warm-started starting accuracy, then GRPO_STEPS steps of GRPO (GRPO_STEPS=0: the evaluation alone, as in
-#     session 9, whose GRPO part had --format-coef 0.1, the grpo recipe's value then: no effect on an evaluation).
+#     warm-started starting accuracy, then GRPO_STEPS steps of GRPO (GRPO_STEPS=0: the evaluation alone, as in the
+#     measured run, whose GRPO part had --format-coef 0.1, the grpo recipe's value then: no effect on an evaluation).
 #   MODEL=/path/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf DATA=/path/gsm8k OUT_DIR=runs_out \
 #     bash runs/sft_gsm8k_qwen05b.sh [more sft.py flags]
 # MODEL and DATA as in runs/grpo_gsm8k_qwen05b.sh (DATA: a folder with train.jsonl and test.jsonl, GSM8K "main").

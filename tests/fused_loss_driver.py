@@ -120,4 +120,4 @@ for name in names:
 torch.save(results, out_path)
 D.cleanup()
 sys.stdout.flush()
-os._exit(0)  # as tests/grad_split_driver.py: no interpreter finalization with FSDP modules alive (LOG.md, session 5)
+os._exit(0)  # as tests/grad_split_driver.py: no interpreter finalization with FSDP modules alive

@@ -55,7 +55,7 @@ if d.is_main:
                 "sharded_after": all(isinstance(p, DTensor) for p in policy.parameters())}, out)
 D.cleanup()
 # Leave without interpreter finalization: about 2 % of 2-rank gloo runs of this driver aborted there, after the work
-# was done and saved ("terminate called without an active exception", no Python frame; LOG.md, session 5), most
+# was done and saved ("terminate called without an active exception", no Python frame; seen 2026-11-30), most
 # likely gloo worker threads kept alive by the FSDP model (a module global here) releasing tensors during teardown.
 sys.stdout.flush()
 sys.stderr.flush()

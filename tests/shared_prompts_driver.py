@@ -79,4 +79,4 @@ for budget in (20, 256):  # 20: groups cut across micro-batches; 256: every grou
 torch.save({"results": results, "prompts": prompts, "responses": responses}, out_path)
 D.cleanup()
 sys.stdout.flush()
-os._exit(0)  # as tests/grad_split_driver.py: no interpreter finalization with FSDP modules alive (LOG.md, session 5)
+os._exit(0)  # as tests/grad_split_driver.py: no interpreter finalization with FSDP modules alive

@@ -96,8 +96,9 @@ def test_bad_input(sweep, tmp_path):
 
 
 def test_a_key_older_runs_lack_is_not_a_difference():
-    # session 9's ablation: a run from before --fused-loss existed against one that records it (False), and the one
-    # knob that was changed (format_coef): only format_coef is a column, not every flag added since
+    # the format-coef ablation (docs/results/ablation_format_coef): a run from before --fused-loss existed against one
+    # that records it (False), and the one knob that was changed (format_coef): only format_coef is a column, not every
+    # flag added since
     old = {"seed": 1, "format_coef": 0.1}
     new = {"seed": 1, "format_coef": 0.0, "fused_loss": False, "env": ""}
     assert K.differing_keys([old, new]) == ["format_coef"]

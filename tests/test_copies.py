@@ -1,5 +1,5 @@
 """Algorithm code shared by scripts is copied on purpose and marked `# Same as grpo.py:name`; the copies must stay
-identical to the original (the project STYLE.md, 'Sharing and duplication')."""
+identical to the original (docs/architecture.md, "Line budgets and marked copies")."""
 import ast
 import re
 from pathlib import Path

@@ -151,7 +151,7 @@ def test_cli_max_new_tokens_zero_named_before_model(tmp_path):
     assert "--max-new-tokens 0: must be >= 1" in p.stderr and "no-such-model" not in p.stderr
 
 
-# ---- a CUDA MPS share of the SMs (sessions 23-24: wrong results on the H200) ---------------------------------------
+# ---- a CUDA MPS share of the SMs (wrong results on an H200, 2026-12-03 and 12-04) ---------------------------------
 def test_start_run_warns_under_an_mps_sm_share(monkeypatch, recwarn):
     import common.lifecycle as L
     monkeypatch.setattr(L.D, "init_distributed",  # "auto" resolves to the GPU, as on a GPU machine

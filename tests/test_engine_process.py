@@ -50,9 +50,9 @@ def test_generates_and_refits_as_the_engine_in_process(pair):
 
 
 def test_waking_an_engine_on_the_trainer_s_gpu_hands_torch_s_cached_blocks_back_first(pair, monkeypatch):
-    """The update's cached activations would stay reserved in the trainer while the children map their weights and
-    KV cache beside them (session 16's W05: whole-GPU peak 58 GiB with 4 engines). Only for the trainer's own GPU,
-    and only while the engine sleeps, as the child reports it: an awake engine's wake (grpo_async.py's, every step;
+    """The update's cached activations would stay reserved in the trainer while the children map their weights and KV
+    cache beside them (W05 on one H200, 2026-12-02: whole-GPU peak 58 GiB with 4 engines). Only for the trainer's own
+    GPU, and only while the engine sleeps, as the child reports it: an awake engine's wake (grpo_async.py's, every step;
     any at sleep level 0, whose VLLMEngine.sleep keeps everything) keeps the trainer's cache."""
     from common.vllm_engine import VLLMEngine
     _, there = pair

@@ -1,4 +1,4 @@
-"""dev/gpu_queue.py: the GPU session's job queue (pure scheduling rule, and a run with `sleep` jobs on CPU)."""
+"""dev/gpu_queue.py: the job queue of a GPU host (pure scheduling rule, and a run with `sleep` jobs on CPU)."""
 import os
 import subprocess
 import sys
@@ -40,12 +40,12 @@ def test_queue_runs_jobs_on_their_gpus_in_order(tmp_path):
     logs = tmp_path / "logs"
     assert (logs / "g0.log").read_text().strip() == "0"
     assert (logs / "both.log").read_text().strip() == "0,1"
-    assert (logs / "lane.log").read_text().strip() == "visible=0,1"  # session 9: "k" hid every GPU from its jobs
+    assert (logs / "lane.log").read_text().strip() == "visible=0,1"  # a lane label ("k") sets no CUDA_VISIBLE_DEVICES
     status = [line.split(" ", 1)[1] for line in (logs / "status").read_text().splitlines()]
     assert "end g1 rc=3" in status  # a failing job is recorded and does not stop the queue
     assert status.index("start both (gpu 0,1)") > max(status.index("end g0 rc=0"), status.index("end g1 rc=3"))
     assert status[-1] == "queue done" and (logs / "all.done").exists()
-    # the job's process group, which dev/gpu_qwen.sh's stop / dump read (session 17's stop found no file)
+    # the job's process group, which dev/gpu_qwen.sh's stop / dump read (stop found no file before gpu_queue.py wrote it)
     assert (logs / "pg.pgid").read_text().strip() == (logs / "pg.log").read_text().strip()
 
 
@@ -117,9 +117,9 @@ def test_script_argvs_reads_the_queue_forms():
 
 
 def test_the_queues_still_to_run_parse_with_their_scripts(monkeypatch):
-    """Every training command in dev/queues/next.txt, x2.txt and x8.txt (the queues a coming GPU session runs) parses
+    """Every training command in dev/queues/next.txt, x2.txt and x8.txt (the queues for coming GPU runs) parses
     with its script's flags and passes the engine-flag checks that run before any engine starts: a renamed flag or a
-    bad --vllm.llm-kwargs would otherwise be found on the GPU machine, with its 30 device-minutes running."""
+    bad --vllm.llm-kwargs would otherwise be found only on the GPU host, after staging."""
     import importlib
     from common.args import cli
     from common.engine_process import check_engine_args

@@ -137,9 +137,9 @@ def test_async_pi_old_is_the_behaviour_policy_and_the_run_is_sane(runs):
     """With one optimiser step per rollout grpo.py's ratio is exactly 1 (pi_old = pi.detach(): nothing clipped).
     grpo_async.py divides by the engine's log-probs from step 1: there the trainer is one update (lr 1e-2) past the
     weights that sampled, so some tokens' ratios leave [0.8, 1.2] and are clipped. Step 0 is generated now by the
-    trainer's weights: pi_old is the trainer's own, as in grpo.py, and the engine's distance from it is logged (the
-    HF engine: the same fp32 model, so ~0; session 23's MPS fault showed at this step as clipped tokens and a 3,000x
-    gradient norm, with no gap metric). All metrics are finite."""
+    trainer's weights: pi_old is the trainer's own, as in grpo.py, and the engine's distance from it is logged (the HF
+    engine: the same fp32 model, so ~0; a CUDA MPS share's fault, one H200, 2026-12-03, showed at this step as clipped
+    tokens and a 3,000x gradient norm, with no gap metric). All metrics are finite."""
     on, _ = runs["on"]
     grpo, _ = runs["grpo"]
     assert all(r["train/clip_frac"] == 0 for r in grpo)
@@ -213,7 +213,7 @@ def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
 def test_the_async_recipes_flags_pass_the_scripts_checks(tmp_path):
     """The recipe's whole command line (the synchronous recipe's flags + its own) gets past grpo_async.py's flag checks
     and stops only at the model file, which does not exist here (a recipe flag the script refuses would stop it
-    first: session 11 made the synchronous recipe use --tis-cap 2.0, which --async-rollout refuses)."""
+    first: the synchronous recipe's --tis-cap 2.0, which --async-rollout refuses, once did)."""
     argv = (recipe_flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')
             + recipe_flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
     missing = tmp_path / "no-such-model.gguf"

@@ -104,3 +104,15 @@ def test_the_check_finds_what_breaks_the_layout(tmp_path):
     for e in expected:
         assert any(v.startswith(e) for v in found), (e, found)
     assert not any(v.startswith(("tests/", "dev/", "common/rollout.py", "common/vllm_engine.py")) for v in found), found
+
+
+def test_changelog_is_short_and_newest_first():
+    """CHANGELOG.md says what changed for a user, one dated section per day, newest first, in at most 20 KB (the
+    history of what was tried is in the commit messages)."""
+    import re
+    path = ROOT / "CHANGELOG.md"
+    assert path.is_file(), "CHANGELOG.md is missing"
+    assert path.stat().st_size <= 20 * 1024, f"CHANGELOG.md is {path.stat().st_size} bytes, over 20 KB"
+    dates = re.findall(r"^## (\d{4}-\d{2}-\d{2})\s*$", path.read_text(), flags=re.M)
+    assert dates, "CHANGELOG.md has no '## YYYY-MM-DD' section"
+    assert dates == sorted(dates, reverse=True) and len(set(dates)) == len(dates), f"not newest first: {dates}"

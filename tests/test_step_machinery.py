@@ -68,7 +68,8 @@ def test_step_line_and_perf_metrics():
 
 def test_trainer_peak_leaves_out_the_engine_pool(monkeypatch):
     """With a vLLM engine in the process, torch's peak counter holds the engine's pool too (also asleep): perf/ keeps
-    that raw peak and adds the trainer's own (session 12's 7B run: 73.4 GiB counted, ~40 GiB of it the engine's)."""
+    that raw peak and adds the trainer's own (a 7B run on one H200, 2026-12-02: 73.4 GiB counted, ~40 GiB of it the
+    engine's)."""
     import common.perf as P
     import common.tracking as T
     from transformers import LlamaConfig

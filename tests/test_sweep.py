@@ -189,7 +189,8 @@ def test_parallel_cells_get_disjoint_gpus_and_ports(tmp_path):
 
 
 def test_a_gpu_given_twice_is_two_slots_on_it():
-    """--gpus 0,0 --gpus-per-cell 1 runs two cells side by side on one GPU (GPU session 11's ablation)."""
+    """--gpus 0,0 --gpus-per-cell 1 runs two cells side by side on one GPU (as the lr ablation ran on one H200,
+    2026-12-01)."""
     assert S.gpu_slots("0,0", 1) == ["0", "0"]
     assert S.gpu_slots("0,1,0,1", 2) == ["0,1", "0,1"]
     assert S.gpu_slots("", 0) == [None]  # no --gpus-per-cell: one after another, environment unchanged

@@ -153,7 +153,7 @@ def test_w05_report_lists_the_verl_run(tmp_path, capsys):
 
 
 def test_ray_programs_without_their_mode_bits_are_made_executable(tmp_path):
-    """Session 13: the unpacked bundle's ray/core/src/ray/gcs/gcs_server had lost +x and ray died at start."""
+    """An unpacked bundle's ray/core/src/ray/gcs/gcs_server had lost +x (one H200, 2026-12-02): ray died at start."""
     prog = tmp_path / "ray" / "core" / "src" / "ray" / "gcs" / "gcs_server"
     prog.parent.mkdir(parents=True)
     prog.write_bytes(b"\x7fELF" + b"\0" * 12)

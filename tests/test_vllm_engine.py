@@ -47,7 +47,8 @@ def test_memory_budget_rejects_bad_fractions(util):
 
 
 def test_resident_hint_only_when_both_fit_and_the_engine_sleeps():
-    # W05 on one H200 (session 7): engine ~6.3 GiB (weights, fitted KV, graphs), training peak 31 GiB, swap 0.2 s
+    # W05 on one GPU of a 2 x H200 host (2026-11-30): engine ~6.3 GiB (weights, fitted KV, graphs), training
+    # peak 31 GiB, swap 0.2 s
     hint = resident_hint(140 * GiB, int(6.3 * GiB), 31 * GiB, 0.21, sleep_level=2)
     assert "--vllm.sleep-level 0" in hint and "6.3 GiB" in hint and "31.0 GiB" in hint and "0.21 s" in hint
     assert resident_hint(140 * GiB, int(6.3 * GiB), 31 * GiB, 0.21, sleep_level=0) is None  # resident already
@@ -152,8 +153,9 @@ def test_to_rollout_reads_flat_logprobs():
 
 
 def test_to_rollout_refuses_log_probs_of_other_tokens_than_the_sampled_ones():
-    """Session 13 (grpo_async.py, generation on a CUDA stream of its own): FlatLogprobs whose token ids were not the
-    sampled ones; the per-position lookup then raised a bare KeyError. Now: what is wrong, where, and what it means."""
+    """grpo_async.py with generation on a CUDA stream of its own (one H200, 2026-12-02): FlatLogprobs whose token ids
+    were not the sampled ones; the per-position lookup then raised a bare KeyError. Now: what is wrong, where, and what
+    it means."""
     toks = [5, 6, 2]
     c = SimpleNamespace(index=0, token_ids=toks, finish_reason="stop", logprobs=_Flat([5, 9, 2], [-0.1, -0.2, -0.3]))
     c.logprobs[:] = [{5: SimpleNamespace(logprob=-0.1)}, {9: SimpleNamespace(logprob=-0.2)},
@@ -630,8 +632,8 @@ def test_logprobs_shape_and_sign(engine_and_model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU_VLLM, reason="needs a CUDA GPU and vLLM")
 def test_wake_returns_torchs_cached_blocks(engine_and_model):
-    """Training between sleep and wake leaves its freed activations in torch's cache, where vLLM's pool cannot use
-    them; wake() hands them back first (W7B-2 ran out of memory waking the KV cache without it, session 3)."""
+    """Training between sleep and wake leaves its freed activations in torch's cache, where vLLM's pool cannot use them;
+    wake() hands them back first (W7B-2 ran out of memory waking the KV cache without it, 2 x H200, 2026-11-30)."""
     engine, perturbed = engine_and_model
     engine.sleep()
     x = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")

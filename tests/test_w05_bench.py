@@ -32,8 +32,8 @@ def test_grpo_summary_peaks_are_maxima_over_every_step(tmp_path):
 
 
 def test_grpo_summary_reports_the_updates_health(tmp_path):
-    """Gradient norm and clipped share beside the speed (warm-step medians): session 23's MPS run was fast with a
-    gradient norm 3,000x the defaults' run; absent keys give None, not 0."""
+    """Gradient norm and clipped share beside the speed (warm-step medians): a run under a CUDA MPS share (one H200,
+    2026-12-03) was fast with a gradient norm 3,000x the defaults' run; absent keys give None, not 0."""
     rows = [{"step": s, "perf/step_s": 7.0, "train/grad_norm": g, "train/clip_frac": c}
             for s, (g, c) in enumerate([(9.0, 0.5), (1300.0, 0.04), (1320.0, 0.05), (1290.0, 0.045)])]
     rows[0]["rollout/logprob_gap_mean"] = 0.25  # the engine's log-probs are asked for at some steps only (step 0 here)
@@ -104,7 +104,8 @@ def test_pair_scan_measures_every_ordered_pair():
 
 
 def test_fused_variants_default_is_one_run_with_grpo_defaults():
-    """Without --fused-loss the bench runs grpo.py once with its own default (session 12's 7B run died on this)."""
+    """Without --fused-loss the bench runs grpo.py once with its own default (a 7B bench run on one H200, 2026-12-02,
+    died on this)."""
     assert fused_variants(None) == [None] and fused_variants("") == [None]
     assert fused_variants("off,on") == ["off", "on"]
     with pytest.raises(ValueError, match="give on, off or both"):

@@ -19,8 +19,8 @@ Below the table, issue 20's defaults goal where the call has both: each grpo.py 
 --grpo-extra beyond --vllm.verbose, no bench budget, the scripts' default fused loss) as a share of the speed of the
 call's fastest grpo.py run (the goal: >= 90 %).
 
-    python bench/call_table.py docs/results/session27                # every <sub-run>/w05-0.5b/summary.json below
-    python bench/call_table.py docs/results/session27 --markdown     # the same as a markdown table
+    python bench/call_table.py docs/results/w05_fa3_decode_cap_repeat_h200_2026-12-04                # every <sub-run>/w05-0.5b/summary.json below
+    python bench/call_table.py docs/results/w05_fa3_decode_cap_repeat_h200_2026-12-04 --markdown     # the same as a markdown table
 """
 import argparse
 import json
@@ -196,7 +196,7 @@ def main():
     runs = load(a.folder)
     if not runs:
         raise SystemExit(f"no bench/w05.py summary.json below {a.folder}: give the folder its sub-runs wrote to "
-                         f"(each sub-run's OUT, e.g. docs/results/session27)")
+                         f"(each sub-run's OUT, e.g. docs/results/w05_fa3_decode_cap_repeat_h200_2026-12-04)")
     print(render(*rows(runs, a.goal_step, a.goal_ratio), a.markdown))
     for line in defaults_check(runs):
         print(("\n" if a.markdown else "") + line)

@@ -11,7 +11,8 @@ Floors (lower bounds, not estimates of what is reachable):
   update     one forward + backward over the batch (batch_train_flops), at the same rate
   the rest   (score, refit, sleep / wake, gather) have no floor here: shown as measured
 
-    python bench/floors.py docs/results/session13/w05/summary.json             # every grpo sub-run in it
+    # every grpo sub-run in it:
+    python bench/floors.py docs/results/w05_async_in_process_fused_loss_h200_2026-12-02/w05/summary.json
     python bench/floors.py SUMMARY --run grpo-varlen-1gpu-unfused --bandwidth 4.8e12 --flops 790e12
 """
 import argparse

@@ -57,7 +57,7 @@ def check_engine_args(vllm_args) -> None:
 
 # --vllm.num-engines 0 (auto): at most this many engines (4 measured faster than 1 on every W05 call that ran both:
 # 1.48x the step on a slow H200 host and 1.03x on a fast one, 2026-12-02: `python bench/call_table.py
-# docs/results/session16` and docs/results/session18, their "defaults:" lines; docs/performance.md), each with a memory
+# docs/results/w05_engine_processes_h200_2026-12-02` and docs/results/w05_fused_loss_engines_h200_2026-12-02, their "defaults:" lines; docs/performance.md), each with a memory
 # share (--vllm.gpu-memory-utilization / N of the GPU) of at least AUTO_SHARE_PER_WEIGHT x the weights, and 2 CPU
 # cores of the rank's for each (its host loop, and the trainer's and the children's other threads)
 AUTO_MAX_ENGINES, AUTO_SHARE_PER_WEIGHT, AUTO_CORES_PER_ENGINE = 4, 8, 2

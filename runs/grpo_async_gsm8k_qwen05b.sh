@@ -17,7 +17,7 @@
 # engine's log-probs are requested at every step whatever --engine-logprobs-every says (they are pi_old).
 # The engine runs in a process of its own (grpo_async.py's default --vllm.own-process: its own GIL, so generation
 # overlaps the update). Measured (one H200, 2026-12-02, 40 steps): 26.99 % -> 31.39 % (step 20) -> 36.09 % (step 40),
-# the synchronous run's 26.99 / 31.16 / 36.16 %; 6.47 s/step median (docs/grpo_async.md, docs/results/session14).
+# the synchronous run's 26.99 / 31.16 / 36.16 %; 6.47 s/step median (docs/grpo_async.md, docs/results/grpo_async_gsm8k_qwen05b).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SCRIPT=grpo_async.py PORT=${PORT:-${PET_MASTER_PORT:-29511}} exec bash runs/grpo_gsm8k_qwen05b.sh --async-rollout \

@@ -255,7 +255,7 @@ def lr_per_optimizer_step(k: int, warmup_steps: int, num_steps: int, schedule: s
 
 def ordered_prompts(train: list, prompts_per_step: int, seed: int, num_steps: int) -> list:
     """The prompts grpo.py's sampler draws in `num_steps` rollout steps, in its order (the whole batch, as one rank
-    sees it with world size 1): TRL reads them in this order (shuffle_dataset False), 64 a generation."""
+    sees it with world size 1): TRL reads them in this order (shuffle_dataset False), prompts_per_step a generation."""
     sampler = PromptSampler(train, prompts_per_step, seed, rank=0, world_size=1)
     return [e for _ in range(num_steps) for e in sampler.next_batch()]
 

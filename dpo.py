@@ -224,7 +224,7 @@ def main(args: Args) -> None:
     check_pair_geometry(args, d.world_size)  # sizes, micro-batch, ranks: errors name the flag
     preference_loss(*torch.zeros(4, 1), args.loss, args.beta, args.label_smoothing)  # names a bad --loss or eps now
     run_dir = Path(args.out_dir) / args.exp_name
-    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
+    claim_run_dir(run_dir, args.resume, args.overwrite, args.export_hf)  # one run at a time; --export-hf checked
 
     # ---- models and optimiser ------------------------------------------------------------------------------
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF once

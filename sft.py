@@ -87,7 +87,7 @@ class Args(RunArgs):  # and the run flags of common/args.py
     eval_split: str | None = None
     """held-out split; None: hold out --eval-fraction of the train split (seeded)"""
     eval_fraction: float = 0.05
-    """fraction of the rows held out for evaluation (seeded; at most --eval-size, at least 1) when there is no separate
+    """fraction of the rows held out for evaluation (seeded; at least 1; never trained on) when there is no separate
     eval split: a single file, --eval-split None or equal to --train-split (common.data.load_splits)"""
     messages_field: str = "messages"
     """field holding a conversation (a list of {role, content}); rows without it are prompt/completion rows"""
@@ -231,7 +231,7 @@ def main(args: Args) -> None:
                          f"({d.world_size})")
     template_kwargs = chat_template_kwargs(args.chat_template_kwargs)  # a bad one stops the run here
     run_dir = Path(args.out_dir) / args.exp_name
-    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
+    claim_run_dir(run_dir, args.resume, args.overwrite, args.export_hf)  # one run at a time; --export-hf checked
 
     # ---- model and optimiser --------------------------------------------------------------------------------
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF first
@@ -244,7 +244,7 @@ def main(args: Args) -> None:
 
     # ---- data -----------------------------------------------------------------------------------------------
     splits = load_splits(args.dataset, args.train_split, args.eval_split, args.dataset_config, args.eval_fraction,
-                         args.eval_size, args.seed)  # the rule every script shares: no held-out row is trained on
+                         args.seed)  # the rule every script shares: no held-out row is trained on
     fields = dict(messages_field=args.messages_field, prompt_field=args.prompt_field,
                   completion_field=args.completion_field, instruction=args.instruction, method=args.assistant_mask,
                   system_prompt=args.system_prompt, template_kwargs=template_kwargs)

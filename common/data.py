@@ -195,17 +195,17 @@ class Splits:
 
 
 def load_splits(spec: str, train_split: str, eval_split: str | None, config: str | None, eval_fraction: float,
-                eval_size: int, seed: int, need_eval: bool = True) -> Splits:
+                seed: int, need_eval: bool = True) -> Splits:
     """The train rows and the held-out rows of every script (grpo.py, ppo.py, grpo_async.py, sft.py, dpo.py, rm.py):
     one rule, so that no script evaluates on rows it trains on.
 
     When evaluation would read the training rows (a single file, which has no splits; --eval-split None; or
-    --eval-split equal to --train-split), a seeded --eval-fraction of them is held out (holdout_split) and never
-    trained on, at most --eval-size rows (the most one evaluation reads; 0: no cap) and at least one. Else (a folder
-    with {split}.jsonl files, a hub dataset, arith) the eval split is read as it is, and only when `need_eval`.
-    Why a fraction capped by --eval-size: the fraction is what sft.py, dpo.py and rm.py always held out (a small file
-    keeps most rows for training); the cap keeps a large file from losing rows that no evaluation reads (grpo.py
-    evaluates 16 prompts by default, not 10 % of GSM8K). An empty file is an error naming it."""
+    --eval-split equal to --train-split), a seeded --eval-fraction of them (at least one row) is held out by
+    holdout_split and never trained on. Else (a folder with {split}.jsonl files, a hub dataset, arith) the eval split
+    is read as it is, only when `need_eval`. Each script evaluates at most --eval-size of the held-out rows.
+    Why a fraction, 0.1 by default in the RL scripts too: it is what sft.py (0.05), dpo.py and rm.py always held out,
+    so their splits are unchanged, and it grows with the file; rows held out beyond --eval-size are not trained on
+    either (raise --eval-size to evaluate them, or lower --eval-fraction). An empty file is an error naming it."""
     single = is_file_spec(spec)
     train = read_rows(spec, train_split, config)
     if not len(train):
@@ -213,14 +213,14 @@ def load_splits(spec: str, train_split: str, eval_split: str | None, config: str
     if single or not eval_split or eval_split == train_split:
         if not 0 <= eval_fraction < 1:
             raise ValueError(f"--eval-fraction {eval_fraction}: give a fraction in [0, 1) of the rows to hold out")
-        train, held = holdout_split(train, eval_fraction, seed, eval_size)
+        train, held = holdout_split(train, eval_fraction, seed)
         if not len(train):
             raise ValueError(f"{train.origin}: no rows left to train on after holding out {len(held)} for evaluation"
                              " (identical rows are held out together); lower --eval-fraction or add rows")
         why = "a single file has no splits" if single else ("no --eval-split" if not eval_split else
                                                            "--eval-split is --train-split")
-        return Splits(train, held, f"{len(held)} rows held out of {train.origin} (--eval-fraction {eval_fraction}"
-                                   f"{f', at most --eval-size {eval_size}' if eval_size else ''}, seed {seed}: {why})")
+        return Splits(train, held, f"{len(held)} rows held out of {train.origin} (--eval-fraction {eval_fraction}, "
+                                   f"seed {seed}: {why})")
     if not need_eval:
         return Splits(train, Rows([], spec), "none (not evaluating)")
     held = read_rows(spec, eval_split, config)
@@ -229,23 +229,19 @@ def load_splits(spec: str, train_split: str, eval_split: str | None, config: str
     return Splits(train, held, f"split {eval_split!r} of {spec} ({len(held)} rows)")
 
 
-def holdout_split(rows, fraction: float, seed: int, cap: int = 0):
-    """Seeded (train, held-out) split of `rows` (a list, or Rows), both in file order: round(fraction x rows) held out
-    (at least 1 when fraction > 0, at most `cap` when cap > 0). Identical rows (the same JSON) are one group and go
-    to the same side, so a duplicated row is never both trained on and evaluated. Without duplicates and below the
-    cap this is the first round(fraction x N) of a Random(seed) shuffle of the positions."""
+def holdout_split(rows, fraction: float, seed: int):
+    """Seeded (train, held-out) split of `rows` (a list, or Rows), both in file order: round(fraction x rows) held out,
+    at least 1 when fraction > 0. Identical rows (the same JSON) are one group and go to the same side, so a
+    duplicated row is never both trained on and evaluated. Without duplicates this is the first round(fraction x N)
+    of a Random(seed) shuffle of the positions."""
     keys = [json.dumps(r, sort_keys=True, default=str) for r in rows]
-    first = {}
-    for i, k in enumerate(keys):
-        first.setdefault(k, i)
-    groups = list(first)  # distinct rows, in order of first appearance
+    size: dict[str, int] = {}
+    for k in keys:
+        size[k] = size.get(k, 0) + 1
+    groups = list(size)  # distinct rows, in order of first appearance
     order = list(range(len(groups)))
     random.Random(seed).shuffle(order)
     n_eval = 0 if fraction <= 0 or not keys else max(1, int(round(fraction * len(keys))))
-    n_eval = min(n_eval, cap) if cap > 0 else n_eval
-    size = {k: 0 for k in groups}
-    for k in keys:
-        size[k] += 1
     held, count = set(), 0
     for g in order:
         if count >= n_eval:

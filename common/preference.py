@@ -177,7 +177,7 @@ def load_pair_splits(args, tok, is_main: bool) -> tuple[list[Pair], list[Pair], 
                           reasons=reasons, system_prompt=args.system_prompt, template_kwargs=template_kwargs)
         return out[0], reasons
     splits = load_splits(args.dataset, args.train_split, args.eval_split, args.dataset_config, args.eval_fraction,
-                         args.eval_size, args.seed)
+                         args.seed)
     train, dropped = pairs_of(splits.train)
     evals, eval_dropped = pairs_of(splits.eval[:args.eval_size] if args.eval_size else splits.eval)
     if is_main and dropped["identical"] + eval_dropped["identical"]:

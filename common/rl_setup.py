@@ -96,7 +96,7 @@ def load_prompt_splits(args, tok, rank: int, world_size: int):
                              args.max_prompt_tokens, args.chat_template, args.system_prompt,
                              chat_template_kwargs(args.chat_template_kwargs))
     splits = load_splits(args.dataset, args.train_split, args.eval_split, args.dataset_config, args.eval_fraction,
-                         args.eval_size, args.seed, need_eval=args.eval_every > 0)
+                         args.seed, need_eval=args.eval_every > 0)
     train, dropped = prompts_of(splits.train)
     if args.eval_every and not len(splits.eval):
         raise ValueError(f"--eval-every {args.eval_every} evaluates held-out prompts, but none are held out of "

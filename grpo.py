@@ -356,8 +356,7 @@ def main(args: Args) -> None:
     if args.overlong == "soft" and not 0 < args.overlong_buffer <= args.max_new_tokens:
         raise ValueError(f"--overlong soft needs 0 < --overlong-buffer ({args.overlong_buffer}) <= --max-new-tokens")
     check_geometry(args, d.world_size, (("dynamic_sampling_max_rounds", 1),))
-    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite,
-                            args.export_hf)  # one run at a time; --export-hf checked now, not at the end
+    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite, args.export_hf)
     ckpt_root = run_dir / "checkpoints"
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 

@@ -367,8 +367,7 @@ def main(args: Args) -> None:
                          "(pi_old is the behaviour policy's: weight 1) or --vllm.tensor-parallel-size > 1 (vLLM's "
                          "collectives on a second thread); drop those flags, or add --no-async-rollout")
     check_geometry(args, d.world_size, (("dynamic_sampling_max_rounds", 1),))
-    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite,
-                            args.export_hf)  # one run at a time; --export-hf checked now, not at the end
+    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite, args.export_hf)
     ckpt_root = run_dir / "checkpoints"
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 

@@ -368,8 +368,7 @@ def main(args: Args) -> None:
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 16 * d.world_size
     check_geometry(args, d.world_size, (("samples_per_prompt", 1), ("critic_lr", 0), ("critic_warmup_steps", 0)))
-    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite,
-                            args.export_hf)  # one run at a time; --export-hf checked now, not at the end
+    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite, args.export_hf)
     ckpt_root = run_dir / "checkpoints"
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 

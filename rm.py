@@ -145,8 +145,7 @@ def main(args: Args) -> None:
     d = start_run(args.device, args.deterministic, args.seed)  # process group, determinism, seeds, varlen attention
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
     check_pair_geometry(args, d.world_size, (("center_coef", 0),))  # sizes, micro-batch, ranks: errors name the flag
-    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite,
-                            args.export_hf)  # one run at a time; --export-hf checked now, not at the end
+    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite, args.export_hf)
 
     # ---- model, data and optimiser -------------------------------------------------------------------------
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF once

@@ -214,9 +214,6 @@ def load_splits(spec: str, train_split: str, eval_split: str | None, config: str
         if not 0 <= eval_fraction < 1:
             raise ValueError(f"--eval-fraction {eval_fraction}: give a fraction in [0, 1) of the rows to hold out")
         train, held = holdout_split(train, eval_fraction, seed)
-        if not len(train):
-            raise ValueError(f"{train.origin}: no rows left to train on after holding out {len(held)} for evaluation"
-                             " (identical rows are held out together); lower --eval-fraction or add rows")
         why = "a single file has no splits" if single else ("no --eval-split" if not eval_split else
                                                            "--eval-split is --train-split")
         return Splits(train, held, f"{len(held)} rows held out of {train.origin} (--eval-fraction {eval_fraction}, "
@@ -231,9 +228,9 @@ def load_splits(spec: str, train_split: str, eval_split: str | None, config: str
 
 def holdout_split(rows, fraction: float, seed: int):
     """Seeded (train, held-out) split of `rows` (a list, or Rows), both in file order: round(fraction x rows) held out,
-    at least 1 when fraction > 0. Identical rows (the same JSON) are one group and go to the same side, so a
-    duplicated row is never both trained on and evaluated. Without duplicates this is the first round(fraction x N)
-    of a Random(seed) shuffle of the positions."""
+    at least 1 when fraction > 0, never all. Identical rows (the same JSON) are one group and go to the same side, so a
+    duplicated row is never both trained on and evaluated (a file of one row repeated holds none out). Without
+    duplicates this is the first round(fraction x N) of a Random(seed) shuffle of the positions."""
     keys = [json.dumps(r, sort_keys=True, default=str) for r in rows]
     size: dict[str, int] = {}
     for k in keys:
@@ -246,8 +243,9 @@ def holdout_split(rows, fraction: float, seed: int):
     for g in order:
         if count >= n_eval:
             break
-        held.add(groups[g])
-        count += size[groups[g]]
+        if count + size[groups[g]] < len(keys):  # never all of them: something is left to train on
+            held.add(groups[g])
+            count += size[groups[g]]
     train_idx = [i for i, k in enumerate(keys) if k not in held]
     eval_idx = [i for i, k in enumerate(keys) if k in held]
     if isinstance(rows, Rows):

@@ -100,8 +100,8 @@ def load_prompt_splits(args, tok, rank: int, world_size: int):
     train, dropped = prompts_of(splits.train)
     if args.eval_every and not len(splits.eval):
         raise ValueError(f"--eval-every {args.eval_every} evaluates held-out prompts, but none are held out of "
-                         f"{args.dataset} (--eval-fraction {args.eval_fraction}): raise --eval-fraction, or pass "
-                         "--eval-every 0")
+                         f"{args.dataset} (--eval-fraction {args.eval_fraction}; rows are held out only while others "
+                         "are left to train on): raise --eval-fraction, add rows, or pass --eval-every 0")
     evals = prompts_of(splits.eval[:args.eval_size])[0][rank::world_size] if args.eval_every else []
     return train, dropped, evals, splits.note
 

@@ -160,6 +160,26 @@ def test_rl_single_file_holds_out_disjoint_seeded_prompts(script, tokenizer, tmp
     assert other_evals != evals and not set(other_train) & set(other_evals)
 
 
+@pytest.mark.slow
+def test_grpo_single_file_start_table_names_the_held_out_rows(tiny_model_dir, tmp_path):
+    """One grpo.py step on a 20-row file: the start table and config.json say 2 rows are held out of the file, the
+    evaluation reads those 2 prompts, and no sampled training prompt is one of them."""
+    data = write_jsonl(tmp_path / "d.jsonl", QUESTIONS[:20])
+    p = subprocess.run([sys.executable, "grpo.py", "--model", str(tiny_model_dir), "--dataset", str(data),
+                        "--out-dir", str(tmp_path), "--exp-name", "r", "--num-steps", "1", "--prompts-per-step", "4",
+                        "--group-size", "2", "--max-new-tokens", "4", "--eval-every", "1", "--eval-size", "16",
+                        "--log-samples-every", "1", "--no-chat-template", "--instruction", ""],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"2 rows held out of {data}" in p.stdout and "eval prompts" in p.stdout
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["train_prompts"] == 18 and "2 rows held out" in config["held_out"]
+    from common.data import load_splits
+    held = {r["question"] for r in load_splits(str(data), "train", "test", None, 0.1, 1).eval}
+    sampled = {json.loads(line)["prompt"].strip() for line in open(tmp_path / "r" / "samples.jsonl")}
+    assert len(held) == 2 and sampled <= {q["question"] for q in QUESTIONS[:20]} and not held & sampled
+
+
 def test_rl_eval_split_from_a_folder_is_unchanged_and_no_eval_without_held_out_rows(tokenizer, tmp_path):
     from common.rl_setup import load_prompt_splits
     from grpo import Args
@@ -186,6 +206,7 @@ def test_holdout_is_seeded_keeps_its_old_split_and_keeps_duplicates_together():
     assert held == [rows[i] for i in sorted(order[:100])] and len(train) == 900
     assert holdout_split(rows, 0.1, seed=1) == (train, held) != holdout_split(rows, 0.1, seed=2)
     assert len(holdout_split(rows[:4], 0.1, seed=1)[1]) == 1 and holdout_split(rows[:4], 0.0, seed=1)[1] == []
+    assert holdout_split(rows[:1] * 4, 0.5, seed=1) == (rows[:1] * 4, [])  # never every row
     dup = rows[:50] * 3  # every row three times
     train, held = holdout_split(dup, 0.2, seed=0)
     assert not {r["q"] for r in train} & {r["q"] for r in held} and len(held) % 3 == 0 and len(held) >= 30

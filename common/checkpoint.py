@@ -343,7 +343,7 @@ def export_dir_problem(out_dir, run_dir=None, flag: str = "--export-hf") -> str:
     if not out.exists():
         return ""
     if not out.is_dir():
-        return f"{flag} {out_dir} is a file: {fix}"
+        return f"{flag} {out_dir} is a file: give a new folder for the export"
     found = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     if not found:
         return ""

@@ -365,11 +365,11 @@ def field_problem(value) -> str:
     if isinstance(value, str):
         return ""
     if is_messages(value):
-        bad = [j for j, m in enumerate(value) if not isinstance(m["content"], str)]
-        return f"is a chat whose message {bad[0]} has content {describe_value(value[bad[0]]['content'])}, not " \
-               "text" if bad else ""
+        bad = [m["content"] for m in value if not isinstance(m["content"], str)]
+        if not bad:
+            return ""
+        return f"is a chat with a message whose content is {describe_value(bad[0])}, not text"
     return f'is {describe_value(value)}, not text or a chat (a list of {{"role", "content"}})'
-
 
 
 def describe_value(value) -> str:

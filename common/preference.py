@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 from common import dist as D
-from common.data import (chat_template_kwargs, describe_value, holdout_split, load_splits, plain_text, row_name,
-                         with_system)
+from common.data import chat_template_kwargs, describe_value, load_splits, plain_text, row_name, with_system
 from common.packing import MicroBatch, pack, shard_microbatches
 
 ASSISTANT_TURN = "\n\nAssistant:"  # HH-RLHF turn marker: the prompt ends right after the last shared one

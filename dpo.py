@@ -65,8 +65,9 @@ from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
 from common.passes import microbatch_rows
-from common.preference import (cache_key, cached_reference_logprobs, check_pair_geometry, load_pair_splits,
-                               pack_pairs, reference_cache_spec, reference_logprobs, response_logp_sums)
+from common.preference import (cache_key, cached_reference_logprobs, check_pair_geometry, describe_dropped,
+                               load_pair_splits, pack_pairs, reference_cache_spec, reference_logprobs,
+                               response_logp_sums)
 from common.progress import note, show_phase
 from common.rl_setup import resolve_model_once
 from common.run_dir import claim_run_dir
@@ -220,10 +221,10 @@ def evaluate(policy, pairs, ids, ref_table, ref_model, args, d) -> dict:
 def main(args: Args) -> None:
     d = start_run(args.device, args.deterministic, args.seed)  # process group, determinism, seeds, varlen attention
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
-    check_pair_geometry(args, d.world_size)  # sizes, micro-batch, ranks, eval split: errors name the flag
+    check_pair_geometry(args, d.world_size)  # sizes, micro-batch, ranks: errors name the flag
     preference_loss(*torch.zeros(4, 1), args.loss, args.beta, args.label_smoothing)  # names a bad --loss or eps now
     run_dir = Path(args.out_dir) / args.exp_name
-    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
+    claim_run_dir(run_dir, args.resume, args.overwrite, args.export_hf)  # one run at a time; --export-hf checked
 
     # ---- models and optimiser ------------------------------------------------------------------------------
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF once
@@ -237,10 +238,10 @@ def main(args: Args) -> None:
     ref_model = load_ref() if args.uses_reference and not args.ref_cache else None
 
     # ---- data ---------------------------------------------------------------------------------------------
-    train, evals, dropped, eval_dropped = load_pair_splits(args, tok, d.is_main)
+    train, evals, dropped, eval_dropped, held_out = load_pair_splits(args, tok, d.is_main)
     if args.pairs_per_step > len(train):
         raise ValueError(f"--pairs-per-step {args.pairs_per_step} is more than the {len(train)} train pairs "
-                         f"({dropped} dropped as longer than --max-length {args.max_length}); lower it")
+                         f"(dropped: {describe_dropped(dropped)}); lower it")
     pairs = train + evals  # one table: train pairs first, then the held-out ones
     eval_ids = list(range(len(train), len(pairs)))
     lengths = [p.num_tokens for p in pairs]
@@ -285,8 +286,10 @@ def main(args: Args) -> None:
                              "flags in the cache key differ from that run's")
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "model_path": model_path, "ref_model_path": ref_path,
-                              "train_pairs": len(train), "train_pairs_dropped": dropped, "eval_pairs": len(evals),
-                              "eval_pairs_dropped": eval_dropped, "num_steps_resolved": num_steps,
+                              "train_pairs": len(train), "train_pairs_dropped": sum(dropped.values()),
+                              "eval_pairs": len(evals), "eval_pairs_dropped": sum(eval_dropped.values()),
+                              "pairs_dropped_by_reason": {"train": dropped, "held_out": eval_dropped},
+                              "held_out": held_out, "num_steps_resolved": num_steps,
                               "reference": ref_status, "resumed_from": str(resume_from or ""),
                               **{f"perf/{k}": v for k, v in perf0.items()}}
     tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
@@ -298,8 +301,8 @@ def main(args: Args) -> None:
         "micro-batch token budget": args.max_tokens_per_microbatch, **plan.table(), **lora.table(policy),
         "grad accumulation / rank (mean)": math.ceil(args.pairs_per_step / d.world_size * mean_pair
                                                      / args.max_tokens_per_microbatch),
-        "train pairs (dropped too long)": f"{len(train)} ({dropped})",
-        "held-out pairs (dropped)": f"{len(evals)} ({eval_dropped})",
+        "train pairs (dropped)": f"{len(train)} ({describe_dropped(dropped)})",
+        "held-out pairs (dropped)": f"{len(evals)} ({describe_dropped(eval_dropped)})", "eval rows": held_out,
         "steps / epoch": steps_per_epoch, "optimiser steps": num_steps,
         "epochs": f"{num_steps / max(1, steps_per_epoch):.2f}", "loss": args.loss, "reference": ref_status,
     }

@@ -356,7 +356,7 @@ def main(args: Args) -> None:
     if args.overlong == "soft" and not 0 < args.overlong_buffer <= args.max_new_tokens:
         raise ValueError(f"--overlong soft needs 0 < --overlong-buffer ({args.overlong_buffer}) <= --max-new-tokens")
     check_geometry(args, d.world_size, (("dynamic_sampling_max_rounds", 1),))
-    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite)  # one run at a time
+    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite, args.export_hf)
     ckpt_root = run_dir / "checkpoints"
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
@@ -370,7 +370,7 @@ def main(args: Args) -> None:
         optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.num_steps, args.lr_schedule))
 
     # ---- data and rollout engine ----------------------------------------------------------------------------
-    train, dropped, evals = load_prompt_splits(args, tok, d.rank, d.world_size)
+    train, dropped, evals, held_out = load_prompt_splits(args, tok, d.rank, d.world_size)  # disjoint
     sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
     reward_fn = with_workers(load_reward_fn(args.reward_fn), args.reward_workers)  # --reward-workers: a pool
     rm = rollout_reward_model(args, tok, d)  # --reward-model: whole on each rank, on the GPU only to score
@@ -384,7 +384,7 @@ def main(args: Args) -> None:
         "prompts / step (P)": args.prompts_per_step, "group size (G)": args.group_size,
         "sequences / step (P*G)": args.sequences_per_step, **lora.table(policy),
         "old log-prob pass": "yes" if args.recompute_old_logp else "no (one step per rollout)"},
-        plan, ref, ref_early, rollout_kind, len(train), dropped)
+        plan, ref, ref_early, rollout_kind, len(train), dropped, held_out)
 
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
         show_phase(progress, at, f"evaluating on {args.eval_size} held-out prompts (greedy)")

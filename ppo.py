@@ -368,7 +368,7 @@ def main(args: Args) -> None:
     if args.prompts_per_step == 0:  # the default scales with the number of ranks, so any torchrun launch divides
         args.prompts_per_step = 16 * d.world_size
     check_geometry(args, d.world_size, (("samples_per_prompt", 1), ("critic_lr", 0), ("critic_warmup_steps", 0)))
-    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite)  # one run at a time
+    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite, args.export_hf)
     ckpt_root = run_dir / "checkpoints"
     rollout_kind = args.rollout if args.rollout != "auto" else ("vllm" if d.device.type == "cuda" else "hf")
 
@@ -392,7 +392,7 @@ def main(args: Args) -> None:
         critic_optimizer, lambda s: lr_lambda(s, args.warmup_steps, args.num_steps, args.lr_schedule))
 
     # ---- data and rollout engine ----------------------------------------------------------------------------
-    train, dropped, evals = load_prompt_splits(args, tok, d.rank, d.world_size)
+    train, dropped, evals, held_out = load_prompt_splits(args, tok, d.rank, d.world_size)  # disjoint
     sampler = PromptSampler(train, args.prompts_per_step, args.seed, d.rank, d.world_size)
     reward_fn = with_workers(load_reward_fn(args.reward_fn), args.reward_workers)  # --reward-workers: a pool
     rm = rollout_reward_model(args, tok, d)  # --reward-model: whole on each rank, on the GPU only to score
@@ -410,7 +410,7 @@ def main(args: Args) -> None:
                               "KL coefficient": f"adaptive from {args.kl_coef} (target {args.kl_target})"
                               if args.kl_target else args.kl_coef,
                               "critic (warm-up steps)": f"{critic_path} ({args.critic_warmup_steps})"},
-                             plan, ref, ref_early, rollout_kind, len(train), dropped)
+                             plan, ref, ref_early, rollout_kind, len(train), dropped, held_out)
 
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
         show_phase(progress, at, f"evaluating on {args.eval_size} held-out prompts (greedy)")

@@ -49,7 +49,7 @@ from common.models import load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
 from common.passes import microbatch_rows
-from common.preference import check_pair_geometry, load_pair_splits, pack_pairs
+from common.preference import check_pair_geometry, describe_dropped, load_pair_splits, pack_pairs
 from common.progress import show_phase
 from common.reward_model import LastTokenReward, init_reward_model, sequence_rewards
 from common.rl_setup import resolve_model_once
@@ -144,18 +144,18 @@ def evaluate(model, pairs, ids, args: Args, d) -> dict:
 def main(args: Args) -> None:
     d = start_run(args.device, args.deterministic, args.seed)  # process group, determinism, seeds, varlen attention
     # ---- batch geometry, checked before anything expensive -------------------------------------------------
-    check_pair_geometry(args, d.world_size, (("center_coef", 0),))  # sizes, micro-batch, ranks, eval split
-    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite)  # one run at a time
+    check_pair_geometry(args, d.world_size, (("center_coef", 0),))  # sizes, micro-batch, ranks: errors name the flag
+    run_dir = claim_run_dir(Path(args.out_dir) / args.exp_name, args.resume, args.overwrite, args.export_hf)
 
     # ---- model, data and optimiser -------------------------------------------------------------------------
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF once
     tok = load_tokenizer(model_path)
     clf = init_reward_model(model_path, tok, args.attn_impl)  # the backbone + a scalar head (seeded)
     model, plan = shard(clf, args.fsdp, d.device, root=LastTokenReward(clf))
-    train, evals, dropped, eval_dropped = load_pair_splits(args, tok, d.is_main)
+    train, evals, dropped, eval_dropped, held_out = load_pair_splits(args, tok, d.is_main)
     if args.pairs_per_step > len(train):
         raise ValueError(f"--pairs-per-step {args.pairs_per_step} is more than the {len(train)} train pairs "
-                         f"({dropped} dropped as longer than --max-length {args.max_length}); lower it")
+                         f"(dropped: {describe_dropped(dropped)}); lower it")
     pairs = train + evals  # one table: train pairs first, then the held-out ones
     eval_ids = list(range(len(train), len(pairs)))
     lengths = [p.num_tokens for p in pairs]
@@ -175,9 +175,10 @@ def main(args: Args) -> None:
         start, epoch, position = extra["step"], extra["data"]["epoch"], extra["data"]["position"]
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "model_path": model_path, "train_pairs": len(train),
-                              "train_pairs_dropped": dropped, "eval_pairs": len(evals),
-                              "eval_pairs_dropped": eval_dropped,
-                              "resumed_from": str(resume_from or "")}
+                              "train_pairs_dropped": sum(dropped.values()), "eval_pairs": len(evals),
+                              "eval_pairs_dropped": sum(eval_dropped.values()),
+                              "pairs_dropped_by_reason": {"train": dropped, "held_out": eval_dropped},
+                              "held_out": held_out, "resumed_from": str(resume_from or "")}
     tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
                            resume_step=start if resume_from else None)
     if d.is_main:
@@ -185,9 +186,10 @@ def main(args: Args) -> None:
             "ranks": d.world_size, "pairs / step": args.pairs_per_step, "sequences / step": 2 * args.pairs_per_step,
             "pairs / rank / step": args.pairs_per_step / d.world_size,
             "micro-batch token budget": args.max_tokens_per_microbatch, **plan.table(),
-            "train pairs (dropped too long)": f"{len(train)} ({dropped})",
-            "held-out pairs (dropped)": f"{len(evals)} ({eval_dropped})", "steps / epoch": steps_per_epoch,
-            "optimiser steps": num_steps, "epochs": f"{num_steps / max(1, steps_per_epoch):.2f}"}), flush=True)
+            "train pairs (dropped)": f"{len(train)} ({describe_dropped(dropped)})",
+            "held-out pairs (dropped)": f"{len(evals)} ({describe_dropped(eval_dropped)})", "eval rows": held_out,
+            "steps / epoch": steps_per_epoch, "optimiser steps": num_steps,
+            "epochs": f"{num_steps / max(1, steps_per_epoch):.2f}"}), flush=True)
 
     def evaluate_and_log(at: int) -> None:  # eval/* of the weights after `at` steps
         show_phase(progress, at, f"evaluating on {len(eval_ids)} held-out pairs")
@@ -252,7 +254,7 @@ def main(args: Args) -> None:
 
     if evaluating and not stopping:
         evaluate_and_log(num_steps)  # the final evaluation, on the final weights
-    finish_run(args.export_hf, model, tok, clf.config, progress, tracker, stop)  # export, close, exit 143 if stopped
+    finish_run(args.export_hf, model, tok, clf.config, progress, tracker, stop, None, model_path)  # exit 143 if stopped
 
 
 if __name__ == "__main__":

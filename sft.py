@@ -31,7 +31,6 @@ Launch:
                       --train-split train_sft --eval-split test_sft --eval-accuracy-size 0 --sequences-per-step 256
 """
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +44,7 @@ from common import lora
 from common.args import LoraArgs, RunArgs, cli
 from common.attention import attn_kwargs, describe
 from common.chat import build_examples, row_format
-from common.data import DEFAULT_INSTRUCTION, build_prompts, chat_template_kwargs, load_rows
+from common.data import DEFAULT_INSTRUCTION, build_prompts, chat_template_kwargs, load_splits
 from common.evaluate import evaluate, log_eval
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
@@ -55,7 +54,6 @@ from common.nan_guard import NanGuard
 from common.packing import pack_masked, shard_microbatches
 from common.passes import microbatch_rows
 from common.perf import perf_metrics
-from common.preference import holdout_split
 from common.progress import show_phase
 from common.rewards import load_reward_fn
 from common.rl_setup import resolve_model_once
@@ -89,7 +87,8 @@ class Args(RunArgs):  # and the run flags of common/args.py
     eval_split: str | None = None
     """held-out split; None: hold out --eval-fraction of the train split (seeded)"""
     eval_fraction: float = 0.05
-    """fraction of the train split held out when there is no --eval-split"""
+    """fraction of the rows held out for evaluation (seeded; at least 1; never trained on) when there is no separate
+    eval split: a single file, --eval-split None or equal to --train-split (common.data.load_splits)"""
     messages_field: str = "messages"
     """field holding a conversation (a list of {role, content}); rows without it are prompt/completion rows"""
     prompt_field: str = "question"
@@ -230,12 +229,9 @@ def main(args: Args) -> None:
     if args.sequences_per_step < d.world_size:
         raise ValueError(f"--sequences-per-step {args.sequences_per_step} must be at least the number of ranks "
                          f"({d.world_size})")
-    if args.eval_split and os.path.isfile(os.path.expanduser(args.dataset)):
-        raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
-                         "leave it unset to hold out --eval-fraction")
     template_kwargs = chat_template_kwargs(args.chat_template_kwargs)  # a bad one stops the run here
     run_dir = Path(args.out_dir) / args.exp_name
-    claim_run_dir(run_dir, args.resume, args.overwrite)  # one run at a time; no fresh start over a run
+    claim_run_dir(run_dir, args.resume, args.overwrite, args.export_hf)  # one run at a time; --export-hf checked
 
     # ---- model and optimiser --------------------------------------------------------------------------------
     model_path = resolve_model_once(args.model, d.is_main)  # rank 0 converts a GGUF first
@@ -247,21 +243,14 @@ def main(args: Args) -> None:
                                   weight_decay=args.weight_decay)
 
     # ---- data -----------------------------------------------------------------------------------------------
-    rows = load_rows(args.dataset, args.train_split, args.dataset_config)
-    if not rows:
-        raise ValueError(f"--dataset {args.dataset} ({args.train_split}) has no rows")
-    if args.eval_split:
-        eval_rows = load_rows(args.dataset, args.eval_split, args.dataset_config)
-    else:
-        rows, eval_rows = holdout_split(rows, args.eval_fraction, args.seed)
+    splits = load_splits(args.dataset, args.train_split, args.eval_split, args.dataset_config, args.eval_fraction,
+                         args.seed)  # the rule every script shares: no held-out row is trained on
     fields = dict(messages_field=args.messages_field, prompt_field=args.prompt_field,
                   completion_field=args.completion_field, instruction=args.instruction, method=args.assistant_mask,
                   system_prompt=args.system_prompt, template_kwargs=template_kwargs)
-    train, dropped = build_examples(rows, tok, args.max_length, stop_ids, **fields,
-                                    source=f"--dataset {args.dataset} ({args.train_split})")
-    evals, eval_dropped = build_examples(eval_rows[:args.eval_size or None], tok, args.max_length, stop_ids,
-                                         **fields,
-                                         source=f"--dataset {args.dataset} ({args.eval_split or 'held out'})")
+    eval_rows = splits.eval
+    train, dropped = build_examples(splits.train, tok, args.max_length, stop_ids, **fields)
+    evals, eval_dropped = build_examples(eval_rows[:args.eval_size or None], tok, args.max_length, stop_ids, **fields)
     if args.sequences_per_step > len(train):
         raise ValueError(f"--sequences-per-step {args.sequences_per_step} is more than the {len(train)} train "
                          f"conversations ({dropped} dropped as longer than --max-length {args.max_length}); lower it")
@@ -298,7 +287,7 @@ def main(args: Args) -> None:
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     config = to_dict(args) | {"world_size": d.world_size, "model_path": model_path, "train_sequences": len(train),
                               "train_sequences_dropped": dropped, "eval_sequences": len(evals),
-                              "eval_sequences_dropped": eval_dropped,
+                              "eval_sequences_dropped": eval_dropped, "held_out": splits.note,
                               "eval_accuracy_prompts": len(eval_rows[:args.eval_accuracy_size]) if engine else 0,
                               "num_steps_resolved": num_steps,
                               "resumed_from": str(resume_from or "")}
@@ -314,7 +303,7 @@ def main(args: Args) -> None:
                                                          / args.max_tokens_per_microbatch),
             "trainer attention": describe(d.device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
             "train conversations (dropped too long)": f"{len(train)} ({dropped})",
-            "held-out conversations (dropped)": f"{len(evals)} ({eval_dropped})",
+            "held-out conversations (dropped)": f"{len(evals)} ({eval_dropped})", "eval rows": splits.note,
             "mean tokens (trained) / conversation":
                 f"{mean_len:.1f} ({sum(e.num_trained for e in train) / len(train):.1f})",
             "steps / epoch": steps_per_epoch, "optimiser steps": num_steps,

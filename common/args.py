@@ -70,7 +70,8 @@ class PairArgs(RunArgs):
     eval_split: str | None = None
     """held-out split; None: hold out --eval-fraction of the train split (seeded)"""
     eval_fraction: float = 0.1
-    """fraction of the train split held out when there is no --eval-split"""
+    """fraction of the rows held out for evaluation (seeded; at least 1; never trained on) when there is no separate
+    eval split: a single file, --eval-split None or equal to --train-split (common.data.load_splits)"""
     prompt_field: str = "prompt"
     """field holding the prompt (text or messages); absent: the shared prefix of chosen and rejected (HH-RLHF)"""
     chosen_field: str = "chosen"
@@ -122,8 +123,11 @@ class RLArgs(RunArgs):
     """HF dataset config name (e.g. 'main' for openai/gsm8k)"""
     train_split: str = "train"
     """split to train on"""
-    eval_split: str = "test"
-    """held-out split to evaluate on"""
+    eval_split: str | None = "test"
+    """held-out split to evaluate on; a single file has none: --eval-fraction of its rows is held out instead"""
+    eval_fraction: float = 0.1
+    """fraction of the rows held out for evaluation (seeded; at least 1; never trained on) when there is no separate
+    eval split: a single file, --eval-split None or equal to --train-split (common.data.load_splits)"""
     prompt_field: str = "question"
     """dataset field holding the prompt: text, or a chat (a list of {"role", "content"}); a.b reads a nested field"""
     answer_field: str = "answer"

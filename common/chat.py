@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from common.data import plain_text, with_system
+from common.data import field_problem, plain_text, row_name, with_system
 
 ROLES = ("system", "user", "assistant", "tool")
 GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -154,11 +154,17 @@ def build_examples(rows: list[dict], tok, max_length: int, stop_ids: list[int], 
                    prompt_field: str = "prompt", completion_field: str = "completion", instruction: str | None = None,
                    method: str = "auto", source: str = "the dataset", system_prompt: str | None = None,
                    template_kwargs: dict | None = None) -> tuple[list[Example], int]:
-    """Rows -> (examples, number dropped as longer than max_length tokens). A bad row is an error naming the source,
-    the row and the field."""
+    """Rows -> (examples, number dropped as longer than max_length tokens). A bad row is an error naming the row (its
+    file and line when `rows` are common.data.Rows, else `source` and its position) and the field; a prompt or
+    completion that is null or neither text nor messages among them (its str() would be trained on: "None")."""
     examples = []
     for i, row in enumerate(rows):
         try:
+            if row_format(row, messages_field, prompt_field, completion_field) == "completion":
+                for field, flag in ((prompt_field, "--prompt-field"), (completion_field, "--completion-field")):
+                    if problem := field_problem(row[field]):
+                        raise ValueError(f"field {field!r} {problem}; fix or remove the row, or pass {flag} naming "
+                                         "the field that holds it")
             if tok.chat_template is None:
                 if row_format(row, messages_field, prompt_field, completion_field) == "messages":
                     raise ValueError("is a message list, but the tokenizer has no chat template to render it")
@@ -169,9 +175,9 @@ def build_examples(rows: list[dict], tok, max_length: int, stop_ids: list[int], 
                 ex = tokenize_messages(tok, to_messages(row, messages_field, prompt_field, completion_field,
                                                         instruction, system_prompt), stop_ids, method, template_kwargs)
         except ValueError as e:
-            raise ValueError(f"{source}, row {i}: {e}") from None
+            raise ValueError(f"{row_name(rows, i, source)}: {e}") from None
         if not ex.num_trained:
-            raise ValueError(f"{source}, row {i}: no token is trained (the assistant turns rendered empty)")
+            raise ValueError(f"{row_name(rows, i, source)}: no token is trained (the assistant turns rendered empty)")
         if ex.num_tokens <= max_length:
             examples.append(ex)
     return examples, len(rows) - len(examples)

@@ -17,11 +17,14 @@ Layout and failure behaviour: docs/checkpoints.md. Standalone export (tools/expo
 """
 import errno
 import json
+import os
 import random
 import re
 import shutil
 import socket
+import tempfile
 import time
+import uuid
 import warnings
 from pathlib import Path
 
@@ -313,10 +316,106 @@ def load_checkpoint(path: Path, state: dict, restore_rng: bool = True) -> dict:
 
 
 # ---------------------------------------------------------------------------- Hugging Face export
+EXPORT_MARKER = "rl_post_train_export.json"  # in every export folder: what wrote it, from what, and its files
+REPO = Path(__file__).resolve().parent.parent
+
+
+def export_dir_problem(out_dir, run_dir=None, flag: str = "--export-hf") -> str:
+    """Why an export may not be written to `out_dir` ("" when it may): an export replaces its folder, so it must never
+    remove what it did not write. Refused: the current folder, the repository, the run folder `run_dir` (and its
+    checkpoints, which the run rotates), any folder containing one of them, a file or symbolic link, and a folder
+    holding anything but an earlier export's files (those its EXPORT_MARKER lists). Empty or absent: fine."""
+    out = Path(out_dir).expanduser()
+    if out.is_symlink():
+        return f"{flag} {out_dir} is a symbolic link: give the folder itself"
+    out = out.resolve()
+    fix = f"give a new folder for the export (e.g. {Path(out_dir) / 'hf'})"
+    guarded = [(Path.cwd().resolve(), "the current folder"), (REPO, "the repository")]
+    if run_dir is not None:
+        guarded += [(Path(run_dir).resolve(), "the run folder"), (Path(run_dir).resolve() / "checkpoints", "")]
+    for path, what in guarded:
+        if not what and (out == path or path in out.parents):
+            return f"{flag} {out_dir} is inside the run's checkpoints folder, which the run rotates: {fix}"
+        if what and out == path:
+            return f"{flag} {out_dir} is {what} ({path}), which an export would replace: {fix}"
+        if what and out in path.parents:
+            return f"{flag} {out_dir} contains {what} ({path}), which an export would replace: {fix}"
+    if not out.exists():
+        return ""
+    if not out.is_dir():
+        return f"{flag} {out_dir} is a file: give a new folder for the export"
+    found = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    if not found:
+        return ""
+    try:
+        listed = set(json.loads((out / EXPORT_MARKER).read_text())["files"]) | {EXPORT_MARKER}
+    except (OSError, ValueError, KeyError, TypeError):
+        return (f"{flag} {out_dir} holds files that no export of this project wrote ({', '.join(found[:3])}"
+                f"{', ...' if len(found) > 3 else ''}; no readable {EXPORT_MARKER}): {fix}, or empty that one")
+    if extra := [f for f in found if f not in listed]:
+        return (f"{flag} {out_dir} holds an earlier export and files it did not write ({', '.join(extra[:3])}"
+                f"{', ...' if len(extra) > 3 else ''}): move them out, or {fix}")
+    return ""
+
+
+def agree_export_dir(out_dir, flag: str = "--export-hf") -> None:
+    """export_dir_problem checked by rank 0 before an export's collective gather; every rank raises the same
+    ValueError, so no rank waits for a gather the others left."""
+    problem = export_dir_problem(out_dir, flag=flag) if D.rank() == 0 else ""
+    problem = D.broadcast_object(problem)
+    if problem:
+        raise ValueError(problem)
+
+
+def write_export(out_dir, fill, source: dict | None = None, flag: str = "--export-hf") -> Path:
+    """Write an export folder atomically, replacing only what an earlier export wrote (rank 0 only, no collective).
+
+    fill(tmp) writes the files into a new temporary folder beside `out_dir`; then EXPORT_MARKER (what wrote it,
+    `source`: the model, checkpoint or run and step it comes from, the commit, and the list of its files) goes in,
+    and the folder is renamed into place. An existing `out_dir` (empty, or an earlier export: export_dir_problem) is
+    renamed aside first and then only its listed files are deleted. When `out_dir` became unusable while writing,
+    the export stays in the temporary folder and the ValueError says where."""
+    from common.tracking import git_state
+    out = Path(out_dir).expanduser().absolute()
+    if problem := export_dir_problem(out, flag=flag):
+        raise ValueError(problem)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        fill(tmp)
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        marker = {"written_by": "rl-post-train", **(source or {}), "commit": git_state(REPO)["sha"],
+                  "date": time.strftime("%Y-%m-%d %H:%M:%S"), "files": files}
+        (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # our own half-written folder
+        raise
+    if problem := export_dir_problem(out, flag=flag):  # something appeared in out_dir while the export was written
+        raise ValueError(f"{problem}; this export was written to {tmp} instead")
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    if out.exists():
+        os.rename(out, old)  # empty, or an earlier export's files only
+    os.rename(tmp, out)
+    if old.exists():
+        _remove_export(old)
+    return out
+
+
+def _remove_export(folder: Path) -> None:
+    """Delete an earlier export renamed aside: the files its marker lists, the marker, then the folder if that left
+    it empty (something else in it is kept, and named)."""
+    marker = folder / EXPORT_MARKER
+    listed = json.loads(marker.read_text())["files"] if marker.is_file() else []
+    for name in [*listed, EXPORT_MARKER]:
+        (folder / name).unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:
+        warnings.warn(f"kept {folder}: it held files the earlier export in it did not write", stacklevel=2)
 
 
 def export_hf(model: nn.Module, tokenizer, config, out_dir: Path, prefix: str = "", dtype: torch.dtype | None = None,
-              generation_config=None, params=None) -> Path | None:
+              generation_config=None, params=None, source: dict | None = None) -> Path | None:
     """Write `model` as an HF folder that from_pretrained loads; a collective (iter_full_params), rank 0 writes.
 
     Full tensors are streamed one at a time into safetensors files of <= 2 GiB (model.safetensors, or
@@ -325,19 +424,33 @@ def export_hf(model: nn.Module, tokenizer, config, out_dir: Path, prefix: str = 
     Tied embeddings are written once (under the embedding's name; from_pretrained re-ties lm_head). config /
     generation_config: None takes them from the HF module at `prefix` (e.g. "lm." inside TokenLogProbs). params: the
     (name, full tensor) stream to write (default iter_full_params(model, prefix); LoRA's merged_params).
-    The folder is assembled as `.tmp-<name>` and renamed at the end. Returns out_dir on rank 0, None elsewhere.
+    The folder is written by write_export (a temporary folder renamed into place, with EXPORT_MARKER naming `source`);
+    an `out_dir` holding anything but an earlier export is refused on every rank before the gather (ValueError).
+    Returns out_dir on rank 0, None elsewhere.
     """
-    from safetensors.torch import save_file
-
     rank, _ = _rank_world()
     out_dir = Path(out_dir)
     hf = model.get_submodule(prefix.rstrip(".")) if prefix else model
     config = config if config is not None else hf.config
     generation_config = generation_config if generation_config is not None else getattr(hf, "generation_config", None)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    agree_export_dir(out_dir)  # before the gather: every rank stops, or none
+    if rank != 0:
+        for _ in params or iter_full_params(model, prefix):  # every rank gathers; only rank 0 keeps anything
+            pass
+        _barrier()
+        return None
+    try:  # after the gather, a refusal (out_dir changed meanwhile) still meets the other ranks at the barrier
+        return write_export(out_dir, lambda tmp: _write_hf(tmp, params or iter_full_params(model, prefix), dtype,
+                                                           config, generation_config, tokenizer), source)
+    finally:
+        _barrier()
+
+
+def _write_hf(tmp: Path, params, dtype, config, generation_config, tokenizer) -> None:
+    """export_hf's files, into the folder `tmp`: the (name, full tensor) stream as safetensors of <= SHARD_BYTES,
+    the config, generation config and tokenizer."""
+    from safetensors.torch import save_file
+
     files, weight_map, shard, shard_bytes, total, out_dtype = [], {}, {}, 0, 0, None
 
     def flush():
@@ -349,9 +462,7 @@ def export_hf(model: nn.Module, tokenizer, config, out_dir: Path, prefix: str = 
             weight_map.update({k: name for k in shard})
         shard, shard_bytes = {}, 0
 
-    for name, t in params or iter_full_params(model, prefix):  # every rank gathers; only rank 0 keeps anything
-        if rank != 0:
-            continue
+    for name, t in params:
         t = t.to("cpu", dtype or t.dtype).contiguous().clone()
         out_dtype = t.dtype if out_dtype is None else out_dtype
         nbytes = t.numel() * t.element_size()
@@ -360,9 +471,6 @@ def export_hf(model: nn.Module, tokenizer, config, out_dir: Path, prefix: str = 
         shard[name] = t
         shard_bytes += nbytes
         total += nbytes
-    if rank != 0:
-        _barrier()
-        return None
     flush()
     if len(files) == 1:
         (tmp / files[0]).rename(tmp / "model.safetensors")
@@ -381,11 +489,6 @@ def export_hf(model: nn.Module, tokenizer, config, out_dir: Path, prefix: str = 
         generation_config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-    _barrier()
-    return out_dir
 
 
 def load_for_export(checkpoint: Path, model_path: str, key: str = "policy") -> nn.Module:

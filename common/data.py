@@ -33,6 +33,41 @@ _SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 # ---------------------------------------------------------------------------- loading rows
 
 
+@dataclass
+class Rows:
+    """Dataset rows and where each came from, so that a bad row is named by its place in the file: "data.jsonl line
+    12" (JSON lines: 1-based line numbers), "data.parquet row 3" (other sources: 0-based positions). Indexing gives a
+    row; a slice or select() gives Rows that keep their rows' places."""
+    rows: list[dict]
+    origin: str  # the file, or "<dataset> (<split>)"
+    unit: str = "row"
+    numbers: list[int] | None = None  # each row's line / position in origin (None: 0, 1, 2, ...)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.select(range(len(self.rows))[i])
+        return self.rows[i]
+
+    def name(self, i: int) -> str:
+        return f"{self.origin} {self.unit} {self.numbers[i] if self.numbers is not None else i}"
+
+    def select(self, idx) -> "Rows":
+        numbers = self.numbers if self.numbers is not None else range(len(self.rows))
+        return Rows([self.rows[i] for i in idx], self.origin, self.unit, [numbers[i] for i in idx])
+
+
+def row_name(rows, i: int, source: str = "the dataset") -> str:
+    """How an error names row i of `rows`: its place in its file when `rows` are Rows, else "<source>, row i"
+    (0-based)."""
+    return rows.name(i) if isinstance(rows, Rows) else f"{source}, row {i}"
+
+
 def load_rows(spec: str, split: str, config: str | None = None) -> list[dict]:
     """Load dataset rows (dicts) from `spec`.
 
@@ -40,16 +75,27 @@ def load_rows(spec: str, split: str, config: str | None = None) -> list[dict]:
     one-operation problems); a local
     .jsonl / .jsonl.gz / .json / .parquet file (split is ignored); a local folder holding
     `{split}.jsonl` (or .jsonl.gz / .json / .parquet); or a Hugging Face hub dataset id, loaded with
-    `datasets.load_dataset(spec, config, split=split)`.
+    `datasets.load_dataset(spec, config, split=split)`. read_rows: the same, with each row's place.
     """
+    return read_rows(spec, split, config).rows
+
+
+def is_file_spec(spec: str) -> bool:
+    """A single local file: it has no splits (load_splits holds rows of it out for evaluation)."""
+    return spec not in (ARITH_SPEC, ARITH_EASY_SPEC) and os.path.isfile(os.path.expanduser(spec))
+
+
+def read_rows(spec: str, split: str, config: str | None = None) -> Rows:
+    """load_rows' rows as Rows (each row's file line or position, for error messages)."""
     if spec in (ARITH_SPEC, ARITH_EASY_SPEC):
         kinds = ARITH_KINDS if spec == ARITH_SPEC else ARITH_EASY_KINDS
         if split == "train":
-            return make_arithmetic_rows(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED, kinds=kinds)
+            return Rows(make_arithmetic_rows(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED, kinds=kinds), f"{spec} (train)")
         if split == "test":
             train_questions = {r["question"] for r in make_arithmetic_rows(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED,
                                                                            kinds=kinds)}
-            return make_arithmetic_rows(ARITH_TEST_SIZE, ARITH_TEST_SEED, exclude=train_questions, kinds=kinds)
+            return Rows(make_arithmetic_rows(ARITH_TEST_SIZE, ARITH_TEST_SEED, exclude=train_questions, kinds=kinds),
+                        f"{spec} (test)")
         raise ValueError(f"dataset {spec!r} has splits 'train' and 'test', not {split!r}")
 
     path = os.path.expanduser(spec)
@@ -79,23 +125,22 @@ def load_rows(spec: str, split: str, config: str | None = None) -> list[dict]:
             f"Pass a local .jsonl or .parquet file, a folder holding {split}.jsonl, a hub dataset id "
             f"(with its config if it has several), or 'arith' for the builtin task."
         ) from e
-    return ds.to_list()
+    return Rows(ds.to_list(), f"{spec} ({split})")
 
 
-def _read_file(path: str) -> list[dict]:
+def _read_file(path: str) -> Rows:
     """Rows of one .jsonl(.gz) / .json / .parquet file."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return Rows(pq.read_table(path).to_pylist(), path)
     if path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError:
-                data = None  # maybe JSON lines with a .json name
-        if data is None:
-            return _read_jsonl(path)
+        with open(path, "rb") as f:
+            text = _utf8(f.read(), path)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return _read_jsonl(path)  # maybe JSON lines with a .json name
         if isinstance(data, dict):  # {"data": [...]} or similar: the single list-valued key
             lists = [v for v in data.values() if isinstance(v, list)]
             if len(lists) != 1:
@@ -103,18 +148,29 @@ def _read_file(path: str) -> list[dict]:
             data = lists[0]
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise ValueError(f"{path}: expected a list of objects (one per row)")
-        return data
+        return Rows(data, path, "item")
     if path.endswith((".jsonl", ".jsonl.gz")):
         return _read_jsonl(path)
     raise ValueError(f"{path}: unsupported file type; use .jsonl, .jsonl.gz, .json or .parquet")
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def _utf8(data: bytes, path: str, lineno: int | None = None) -> str:
+    """`data` decoded as UTF-8, or a ValueError naming the file and the line of the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = lineno if lineno is not None else data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path} line {line} is not valid UTF-8 ({e.reason}: byte {data[e.start:e.start + 1]!r}); "
+                         "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def _read_jsonl(path: str) -> Rows:
     """JSON lines, parsed line by line so a bad row is reported by its 1-based line number."""
-    rows = []
+    rows, numbers = [], []
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _utf8(raw, path, lineno)
             if not line.strip():
                 continue
             try:
@@ -124,7 +180,77 @@ def _read_jsonl(path: str) -> list[dict]:
             if not isinstance(row, dict):
                 raise ValueError(f"{path} line {lineno} is not a JSON object: {line.strip()[:80]!r}")
             rows.append(row)
-    return rows
+            numbers.append(lineno)
+    return Rows(rows, path, "line", numbers)
+
+
+# ---------------------------------------------------------------------------- train and held-out splits
+
+
+@dataclass
+class Splits:
+    train: Rows
+    eval: Rows
+    note: str  # where the eval rows come from, for the table printed at start
+
+
+def load_splits(spec: str, train_split: str, eval_split: str | None, config: str | None, eval_fraction: float,
+                seed: int, need_eval: bool = True) -> Splits:
+    """The train rows and the held-out rows of every script (grpo.py, ppo.py, grpo_async.py, sft.py, dpo.py, rm.py):
+    one rule, so that no script evaluates on rows it trains on.
+
+    When evaluation would read the training rows (a single file, which has no splits; --eval-split None; or
+    --eval-split equal to --train-split), a seeded --eval-fraction of them (at least one row) is held out by
+    holdout_split and never trained on. Else (a folder with {split}.jsonl files, a hub dataset, arith) the eval split
+    is read as it is, only when `need_eval`. Each script evaluates at most --eval-size of the held-out rows.
+    Why a fraction, 0.1 by default in the RL scripts too: it is what sft.py (0.05), dpo.py and rm.py always held out,
+    so their splits are unchanged, and it grows with the file; rows held out beyond --eval-size are not trained on
+    either (raise --eval-size to evaluate them, or lower --eval-fraction). An empty file is an error naming it."""
+    single = is_file_spec(spec)
+    train = read_rows(spec, train_split, config)
+    if not len(train):
+        raise ValueError(f"{train.origin} has no rows: give a dataset with at least one row")
+    if single or not eval_split or eval_split == train_split:
+        if not 0 <= eval_fraction < 1:
+            raise ValueError(f"--eval-fraction {eval_fraction}: give a fraction in [0, 1) of the rows to hold out")
+        train, held = holdout_split(train, eval_fraction, seed)
+        why = "a single file has no splits" if single else ("no --eval-split" if not eval_split else
+                                                           "--eval-split is --train-split")
+        return Splits(train, held, f"{len(held)} rows held out of {train.origin} (--eval-fraction {eval_fraction}, "
+                                   f"seed {seed}: {why})")
+    if not need_eval:
+        return Splits(train, Rows([], spec), "none (not evaluating)")
+    held = read_rows(spec, eval_split, config)
+    if not len(held):
+        raise ValueError(f"{held.origin} has no rows: give an --eval-split with rows")
+    return Splits(train, held, f"split {eval_split!r} of {spec} ({len(held)} rows)")
+
+
+def holdout_split(rows, fraction: float, seed: int):
+    """Seeded (train, held-out) split of `rows` (a list, or Rows), both in file order: round(fraction x rows) held out,
+    at least 1 when fraction > 0, never all. Identical rows (the same JSON) are one group and go to the same side, so a
+    duplicated row is never both trained on and evaluated (a file of one row repeated holds none out). Without
+    duplicates this is the first round(fraction x N) of a Random(seed) shuffle of the positions."""
+    keys = [json.dumps(r, sort_keys=True, default=str) for r in rows]
+    size: dict[str, int] = {}
+    for k in keys:
+        size[k] = size.get(k, 0) + 1
+    groups = list(size)  # distinct rows, in order of first appearance
+    order = list(range(len(groups)))
+    random.Random(seed).shuffle(order)
+    n_eval = 0 if fraction <= 0 or not keys else max(1, int(round(fraction * len(keys))))
+    held, count = set(), 0
+    for g in order:
+        if count >= n_eval:
+            break
+        if count + size[groups[g]] < len(keys):  # never all of them: something is left to train on
+            held.add(groups[g])
+            count += size[groups[g]]
+    train_idx = [i for i, k in enumerate(keys) if k not in held]
+    eval_idx = [i for i, k in enumerate(keys) if k in held]
+    if isinstance(rows, Rows):
+        return rows.select(train_idx), rows.select(eval_idx)
+    return [rows[i] for i in train_idx], [rows[i] for i in eval_idx]
 
 
 # ---------------------------------------------------------------------------- builtin arithmetic task
@@ -233,6 +359,28 @@ def is_messages(value) -> bool:
                                                           for m in value)
 
 
+def field_problem(value) -> str:
+    """What is wrong with a row's prompt-like field, or "" when it is text or a chat whose contents are text. A null
+    or another type would otherwise be trained on as its str(), e.g. "None"."""
+    if isinstance(value, str):
+        return ""
+    if is_messages(value):
+        bad = [m["content"] for m in value if not isinstance(m["content"], str)]
+        if not bad:
+            return ""
+        return f"is a chat with a message whose content is {describe_value(bad[0])}, not text"
+    return f'is {describe_value(value)}, not text or a chat (a list of {{"role", "content"}})'
+
+
+def describe_value(value) -> str:
+    """A field's value in an error message: "null", or its type and the start of its JSON."""
+    if value is None:
+        return "null"
+    kind = {bool: "a boolean", int: "a number", float: "a number", dict: "an object", list: "a list"}.get(
+        type(value), f"a {type(value).__name__}")
+    return f"{kind} ({json.dumps(value, default=str)[:60]})"
+
+
 def json_object(text: str, flag: str, what: str, example: str) -> dict:
     """A flag holding a JSON object, as a dict ({} when empty); a ValueError naming the flag, what it holds and an
     example when the text is not JSON or not an object (--chat-template-kwargs, --vllm.llm-kwargs)."""
@@ -287,7 +435,9 @@ def build_prompts(
     template with add_generation_prompt=True and `template_kwargs` (e.g. {"enable_thinking": False}; the template
     adds its own special tokens); otherwise the plain text (system prompt, a blank line, the message) is tokenised
     with the tokenizer's default special tokens. Prompts longer than `max_prompt_tokens` are dropped (not truncated:
-    a cut question has no correct answer) and counted.
+    a cut question has no correct answer) and counted. A prompt that is null or neither text nor a chat, or an answer
+    that is null (the reward function gets str(answer)), is an error naming the row: its file and line when `rows`
+    are Rows (read_rows, load_splits).
     """
     if rows:
         fields = sorted(rows[0])
@@ -301,7 +451,12 @@ def build_prompts(
         prompt, answer = field_value(row, prompt_field), field_value(row, answer_field)
         if prompt is _MISSING or answer is _MISSING:
             missing = prompt_field if prompt is _MISSING else answer_field
-            raise ValueError(f"row {i} has no field {missing!r}; it has fields {sorted(row)}")
+            raise ValueError(f"{row_name(rows, i)} has no field {missing!r}; it has fields {sorted(row)}")
+        for field, flag, problem in ((prompt_field, "--prompt-field", field_problem(prompt)),
+                                     (answer_field, "--answer-field", "is null" if answer is None else "")):
+            if problem:
+                raise ValueError(f"{row_name(rows, i)}: field {field!r} {problem}; fix or remove the row, or pass "
+                                 f"{flag} naming the field that holds it")
         if is_messages(prompt):  # a chat is the prompt as it is (as sft.py reads it): no instruction appended
             messages = [dict(m) for m in prompt]
         else:
@@ -312,9 +467,9 @@ def build_prompts(
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                  **(template_kwargs or {}))
         elif len(messages) > 1 and messages[0]["role"] != "system" or len(messages) > 2:
-            raise ValueError(f"row {i}: --prompt-field {prompt_field!r} holds a conversation of {len(messages)} "
-                             f"messages, which needs a chat template to become one prompt; this tokenizer has none "
-                             f"or --no-chat-template was given")
+            raise ValueError(f"{row_name(rows, i)}: --prompt-field {prompt_field!r} holds a conversation of "
+                             f"{len(messages)} messages, which needs a chat template to become one prompt; this "
+                             f"tokenizer has none or --no-chat-template was given")
         else:
             text = plain_text(messages)
         texts.append(text)

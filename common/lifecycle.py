@@ -3,8 +3,8 @@
 start_run: process group, deterministic kernels, seeds, variable-length attention; a warning under a CUDA MPS SM share.
 checkpoint_step: after each step, agree on a signal stop across ranks and checkpoint when stopping, at the last step
 or every --save-every steps.
-finish_run: the optional HF export, then close the progress bar, the tracker and the process group, and exit 143 when
-a signal stopped the run (docs/checkpoints.md)."""
+finish_run: the optional HF export (its marker names the model, the run folder and the step), then close the progress
+bar, the tracker and the process group, and exit 143 when a signal stopped the run (docs/checkpoints.md)."""
 import os
 import warnings
 from pathlib import Path
@@ -55,7 +55,8 @@ def checkpoint_step(stop: StopFlag, ckpt_root: Path, done: int, state: dict, ext
 def finish_run(export_dir: str | None, policy, tok, config, progress, tracker, stop: StopFlag,
                lora_args: LoraArgs | None = None, base_model: str = "") -> None:
     if export_dir:  # an HF folder; with LoRA a peft adapter folder or the merged model (common/lora.py)
-        export_policy(policy, tok, config, Path(export_dir), lora_args or LoraArgs(), base_model)
+        source = {"model": base_model, "run_dir": str(tracker.run_dir or ""), "step": progress.step}
+        export_policy(policy, tok, config, Path(export_dir), lora_args or LoraArgs(), base_model, source=source)
     progress.close()
     tracker.finish()
     D.cleanup()

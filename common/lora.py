@@ -8,7 +8,6 @@ names, and --export-hf writes a peft adapter folder or (--lora.merge-on-export) 
     ref = lora.base_view(policy)                      # pi_ref = the base: adapters off inside its forward
     engine.load_weights(lora.merged_params(policy, prefix="lm."))
 """
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,29 +220,33 @@ def adapter_state(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, tor
 
 
 def export_policy(policy: nn.Module, tok, config, out_dir: Path, args: LoraArgs, base_model: str,
-                  prefix: str = "lm.") -> None:
+                  prefix: str = "lm.", source: dict | None = None) -> None:
     """--export-hf, a collective. Without LoRA: common.checkpoint.export_hf. With it: the merged model
     (--lora.merge-on-export: an ordinary HF folder, the base names, float32) or a peft adapter folder
     (adapter_config.json + adapter_model.safetensors + the tokenizer; peft.PeftModel.from_pretrained(base, out_dir),
-    or AutoModelForCausalLM.from_pretrained(out_dir) with peft installed, which loads the base it names)."""
+    or AutoModelForCausalLM.from_pretrained(out_dir) with peft installed, which loads the base it names). Every kind
+    is written by common.checkpoint.write_export (never over a folder an export did not write), naming `source`."""
     from common import checkpoint as C
     if not enabled(policy):
-        C.export_hf(policy, tok, config, out_dir, prefix=prefix)
+        C.export_hf(policy, tok, config, out_dir, prefix=prefix, source=source)
         return
     if args.merge_on_export:
-        C.export_hf(policy, tok, config, out_dir, prefix=prefix, params=merged_params(policy, prefix))
+        C.export_hf(policy, tok, config, out_dir, prefix=prefix, params=merged_params(policy, prefix), source=source)
         return
     from safetensors.torch import save_file
+    C.agree_export_dir(out_dir)  # before the gather: every rank stops, or none
     tensors = {k: v.cpu().contiguous().clone() for k, v in adapter_state(policy, prefix)}
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         torch.distributed.barrier()
         return
-    out_dir = Path(out_dir)
-    shutil.rmtree(out_dir, ignore_errors=True)  # replaced, as export_hf replaces its folder
-    out_dir.mkdir(parents=True)
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    peft_config(args, base_model).save_pretrained(str(out_dir))
-    if tok is not None:
-        tok.save_pretrained(out_dir)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        peft_config(args, base_model).save_pretrained(str(tmp))
+        if tok is not None:
+            tok.save_pretrained(tmp)
+    try:
+        C.write_export(out_dir, fill, source)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()

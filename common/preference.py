@@ -18,14 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from common import dist as D
-from common.data import chat_template_kwargs, load_rows, plain_text, with_system
+from common.data import chat_template_kwargs, describe_value, load_splits, plain_text, row_name, with_system
 from common.packing import MicroBatch, pack, shard_microbatches
 
 ASSISTANT_TURN = "\n\nAssistant:"  # HH-RLHF turn marker: the prompt ends right after the last shared one
@@ -101,24 +100,52 @@ def render_pair(row: dict, tok, prompt_field: str = "prompt", chosen_field: str 
     return prompt_text, out[0], out[1], True
 
 
+def check_pair_fields(row: dict, prompt_field: str, chosen_field: str, rejected_field: str) -> None:
+    """A ValueError naming the field when chosen or rejected, or a prompt that is there, is null or neither text nor
+    messages (its str() would be trained on: "None"). An absent or empty prompt ("", []) is format (c)."""
+    for field, flag in ((prompt_field, "--prompt-field"), (chosen_field, "--chosen-field"),
+                        (rejected_field, "--rejected-field")):
+        value = row.get(field, "")
+        if field == prompt_field and value in ("", []):
+            continue
+        messages = isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                   for m in value)
+        if not (isinstance(value, str) or messages):
+            raise ValueError(f"field {field!r} is {describe_value(value)}, not text or messages ({{\"role\", "
+                             f"\"content\": text}}); fix or remove the row, or pass {flag} naming the field that "
+                             "holds it")
+
+
+DROP_REASONS = {"too_long": "longer than --max-length", "empty": "with an empty response",
+                "identical": "with chosen equal to rejected"}
+
+
+def describe_dropped(reasons: dict) -> str:
+    """The pairs dropped, each reason counted on its own: "36 with chosen equal to rejected, 2 longer than ..."."""
+    parts = [f"{n} {DROP_REASONS[k]}" for k, n in reasons.items() if n]
+    return ", ".join(parts) or "none dropped"
+
+
 def build_pairs(rows: list[dict], tok, max_length: int, prompt_field: str = "prompt", chosen_field: str = "chosen",
                 rejected_field: str = "rejected", source: str = "the dataset", reasons: dict | None = None,
                 system_prompt: str | None = None, template_kwargs: dict | None = None) -> tuple[list[Pair], int]:
     """Rows -> (pairs, number dropped). A pair is dropped when prompt + the longer response exceeds max_length
     tokens, a response is empty, or chosen and rejected are the same tokens (no preference: zero gradient).
-    reasons, if given, receives the count per reason (too_long, empty, identical). source names the rows in errors."""
+    reasons, if given, receives the count per reason (too_long, empty, identical: DROP_REASONS). Errors name a row by
+    its file line when `rows` are common.data.Rows, else by `source` and its position."""
     flags = {prompt_field: "--prompt-field", chosen_field: "--chosen-field", rejected_field: "--rejected-field"}
     pairs, counts = [], {"too_long": 0, "empty": 0, "identical": 0}
     for i, row in enumerate(rows):
         for f in (chosen_field, rejected_field) + ((prompt_field,) if prompt_field in rows[0] else ()):
             if f not in row:
-                raise ValueError(f"{source}, row {i} (0-based): no field {f!r}; the row has {sorted(row)}. Fix the "
+                raise ValueError(f"{row_name(rows, i, source)}: no field {f!r}; the row has {sorted(row)}. Fix the "
                                  f"row, or pass {flags[f]} if the field has another name")
         try:
+            check_pair_fields(row, prompt_field, chosen_field, rejected_field)
             prompt, chosen, rejected, templated = render_pair(row, tok, prompt_field, chosen_field, rejected_field,
                                                               system_prompt, template_kwargs)
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{source}, row {i} (0-based): {e} (fields {sorted(row)}; --prompt-field "
+            raise ValueError(f"{row_name(rows, i, source)}: {e} (fields {sorted(row)}; --prompt-field "
                              f"{prompt_field}, --chosen-field {chosen_field}, --rejected-field {rejected_field})"
                              ) from None
         p = tok(prompt, add_special_tokens=not templated)["input_ids"]
@@ -136,38 +163,26 @@ def build_pairs(rows: list[dict], tok, max_length: int, prompt_field: str = "pro
     return pairs, len(rows) - len(pairs)
 
 
-def load_pair_splits(args, tok, is_main: bool) -> tuple[list[Pair], list[Pair], int, int]:
-    """(train pairs, held-out pairs, train dropped, held-out dropped) for dpo.py / rm.py `args` (their --dataset,
-    splits, fields, --max-length, --eval-fraction, --eval-size, --seed flags): --eval-split, or a seeded
-    --eval-fraction of the train split held out. Rank 0 prints how many pairs had chosen == rejected."""
+def load_pair_splits(args, tok, is_main: bool) -> tuple[list[Pair], list[Pair], dict, dict, str]:
+    """(train pairs, held-out pairs, train dropped, held-out dropped, where the held-out rows come from) for dpo.py /
+    rm.py `args` (their --dataset, splits, fields, --max-length, --eval-fraction, --eval-size, --seed flags), split
+    by common.data.load_splits (the rule every script shares). The dropped counts are per reason (describe_dropped).
+    """
     template_kwargs = chat_template_kwargs(args.chat_template_kwargs)
 
-    def pairs_of(rows, split):
+    def pairs_of(rows):
         reasons = {}
         out = build_pairs(rows, tok, args.max_length, args.prompt_field, args.chosen_field, args.rejected_field,
-                          source=f"--dataset {args.dataset} ({split})", reasons=reasons,
-                          system_prompt=args.system_prompt, template_kwargs=template_kwargs)
-        if is_main and reasons["identical"]:
-            print(f"{split}: dropped {reasons['identical']} pairs whose chosen equals their rejected response "
-                  f"(no preference to learn)", flush=True)
-        return out
-    rows = load_rows(args.dataset, args.train_split, args.dataset_config)
-    if args.eval_split:
-        eval_rows = load_rows(args.dataset, args.eval_split, args.dataset_config)
-    else:
-        rows, eval_rows = holdout_split(rows, args.eval_fraction, args.seed)
-    train, dropped = pairs_of(rows, args.train_split)
-    evals, eval_dropped = pairs_of(eval_rows[:args.eval_size] if args.eval_size else eval_rows,
-                                   args.eval_split or "held out")
-    return train, evals, dropped, eval_dropped
-
-
-def holdout_split(rows: list, fraction: float, seed: int) -> tuple[list, list]:
-    """Seeded (train, held-out) split of one list, for datasets without an eval split."""
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    n_eval = int(round(fraction * len(rows)))
-    return [rows[i] for i in sorted(order[n_eval:])], [rows[i] for i in sorted(order[:n_eval])]
+                          reasons=reasons, system_prompt=args.system_prompt, template_kwargs=template_kwargs)
+        return out[0], reasons
+    splits = load_splits(args.dataset, args.train_split, args.eval_split, args.dataset_config, args.eval_fraction,
+                         args.seed)
+    train, dropped = pairs_of(splits.train)
+    evals, eval_dropped = pairs_of(splits.eval[:args.eval_size] if args.eval_size else splits.eval)
+    if is_main and dropped["identical"] + eval_dropped["identical"]:
+        print(f"dropped {dropped['identical']} train and {eval_dropped['identical']} held-out pairs whose chosen "
+              "equals their rejected response (no preference to learn)", flush=True)
+    return train, evals, dropped, eval_dropped, splits.note
 
 
 # ---- packing and the reference pass --------------------------------------------------------------------------
@@ -281,8 +296,8 @@ PAIR_SIZES = (("num_steps", 0), ("pairs_per_step", 1), ("num_epochs", 1), ("eval
 
 def check_pair_geometry(args, world_size: int, sizes: tuple = ()) -> None:
     """dpo.py / rm.py flags, checked before anything expensive; each error names the flag to change: PAIR_SIZES and
-    the script's own (field, least value) sizes, a pair fits a micro-batch, each rank gets a pair, and a single file
-    has no separate eval split, and --chat-template-kwargs is a JSON object."""
+    the script's own (field, least value) sizes, a pair fits a micro-batch, each rank gets a pair, and
+    --chat-template-kwargs is a JSON object."""
     for name, least in PAIR_SIZES + tuple(sizes):
         if not getattr(args, name) >= least:  # `not >=`: NaN fails too
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
@@ -291,7 +306,4 @@ def check_pair_geometry(args, world_size: int, sizes: tuple = ()) -> None:
                          f"(2 x --max-length = {2 * args.max_length}): both sequences of a pair share a micro-batch")
     if args.pairs_per_step < world_size:
         raise ValueError(f"--pairs-per-step {args.pairs_per_step} must be >= the number of ranks ({world_size})")
-    if args.eval_split and os.path.isfile(os.path.expanduser(args.dataset)):
-        raise ValueError(f"--eval-split with the single file {args.dataset} would evaluate on the training rows; "
-                         "leave it unset to hold out --eval-fraction")
     chat_template_kwargs(args.chat_template_kwargs)  # a bad one stops here, before the models load

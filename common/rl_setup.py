@@ -10,7 +10,7 @@ import torch
 from common import checkpoint as C
 from common import lora
 from common.attention import describe
-from common.data import build_prompts, chat_template_kwargs, load_rows
+from common.data import build_prompts, chat_template_kwargs, load_splits
 from common.engine_process import EngineProcess, check_engine_args, child_gpu, placement, resolve_num_engines
 from common.env import make_env
 from common.fsdp import copy_params, place_frozen, shard
@@ -88,16 +88,22 @@ def geometry_rows(args, world_size: int, device) -> dict:
 
 
 def load_prompt_splits(args, tok, rank: int, world_size: int):
-    """The train prompts of grpo.py / ppo.py `args` (and how many were dropped as too long) and this rank's share
-    of the held-out ones."""
-    def prompts_of(split):
-        rows = load_rows(args.dataset, split, args.dataset_config)
+    """The train prompts of grpo.py / ppo.py `args`, how many were dropped as too long, this rank's share of the
+    held-out ones, and where those come from (common.data.load_splits: a single file's held-out rows are never
+    trained on)."""
+    def prompts_of(rows):
         return build_prompts(rows, tok, args.prompt_field, args.answer_field, args.instruction,
                              args.max_prompt_tokens, args.chat_template, args.system_prompt,
                              chat_template_kwargs(args.chat_template_kwargs))
-    train, dropped = prompts_of(args.train_split)
-    evals = prompts_of(args.eval_split)[0][:args.eval_size][rank::world_size] if args.eval_every else []
-    return train, dropped, evals
+    splits = load_splits(args.dataset, args.train_split, args.eval_split, args.dataset_config, args.eval_fraction,
+                         args.seed, need_eval=args.eval_every > 0)
+    train, dropped = prompts_of(splits.train)
+    if args.eval_every and not len(splits.eval):
+        raise ValueError(f"--eval-every {args.eval_every} evaluates held-out prompts, but none are held out of "
+                         f"{args.dataset} (--eval-fraction {args.eval_fraction}; rows are held out only while others "
+                         "are left to train on): raise --eval-fraction, add rows, or pass --eval-every 0")
+    evals = prompts_of(splits.eval[:args.eval_size])[0][rank::world_size] if args.eval_every else []
+    return train, dropped, evals, splits.note
 
 
 def resolve_model_once(spec: str, is_main: bool) -> str:
@@ -198,11 +204,13 @@ def resume_run(resume: str | None, ckpt_root: Path, state: dict, sampler, kl_coe
 
 
 def start_tracking(args, d, run_dir: Path, start: int, resume_from, config: dict, rows: dict, plan, ref,
-                   ref_early: bool, rollout_kind: str, train_size: int, dropped: int):
+                   ref_early: bool, rollout_kind: str, train_size: int, dropped: int, held_out: str = ""):
     """The run's tracker (rank 0; a stand-in elsewhere) with the full config (args, `config`, the shared derived
-    values), and the batch-geometry table printed on rank 0: the script's `rows`, then the shared ones."""
+    values), and the batch-geometry table printed on rank 0: the script's `rows`, then the shared ones. held_out:
+    where the eval prompts come from (load_prompt_splits)."""
     config = to_dict(args) | {"world_size": d.world_size, "rollout_engine": rollout_kind} | config | {
-        "train_prompts": train_size, "train_prompts_dropped_too_long": dropped, "resumed_from": str(resume_from or "")}
+        "train_prompts": train_size, "train_prompts_dropped_too_long": dropped, "held_out": held_out,
+        "resumed_from": str(resume_from or "")}
     tracker = make_tracker(d.is_main, run_dir, config, args.track, args.wandb_project, args.exp_name,
                            resume_step=start if resume_from else None)
     if d.is_main:
@@ -213,6 +221,7 @@ def start_tracking(args, d, run_dir: Path, start: int, resume_from, config: dict
                                                  "replicated, scored before the gather" if ref_early else "sharded"),
                                              "rollout engine": rollout_kind + (
                                                  f", {placement(args.vllm)}" if args.vllm.own_process else ""),
-                                             "train prompts (dropped too long)": f"{train_size} ({dropped})"}),
+                                             "train prompts (dropped too long)": f"{train_size} ({dropped})",
+                                             "eval prompts": held_out if args.eval_every else "none (--eval-every 0)"}),
               flush=True)
     return tracker

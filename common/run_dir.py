@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 from common import dist as D
+from common.checkpoint import export_dir_problem
 
 
 class RunDirError(RuntimeError):
@@ -69,10 +70,16 @@ def _unlock(lock: Path, pid: int) -> None:
         pass
 
 
-def claim_run_dir(run_dir: Path, resume: str, overwrite: bool) -> Path:
+def claim_run_dir(run_dir: Path, resume: str, overwrite: bool, export_hf: str = "") -> Path:
     """Lock the run folder for this run and refuse to start fresh over an earlier run's metrics or checkpoints
     unless --resume or --overwrite (which deletes its checkpoints) is given. A collective: rank 0 checks, every
-    rank raises the same error. The lock is released when the process exits. Returns the folder."""
+    rank raises the same error. The lock is released when the process exits. Returns the folder. First, --export-hf
+    `export_hf` is checked (common.checkpoint.export_dir_problem: not the run folder, a folder holding it, the current
+    folder, the repository or a folder an export did not write), so that a long run does not end in a refused export:
+    a ValueError on every rank."""
+    problem = export_dir_problem(export_hf, run_dir) if export_hf and D.rank() == 0 else ""
+    if problem := D.broadcast_object(problem):
+        raise ValueError(problem)
     error = ""
     if D.rank() == 0:
         run_dir = Path(run_dir)

@@ -54,6 +54,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 class NullTracker:
     """What non-zero ranks (and nothing else) get: same methods, does nothing."""
+    run_dir: Path | None = None
 
     def log(self, metrics: dict, step: int) -> None: ...
     def log_samples(self, rows: list[dict], step: int) -> None: ...
@@ -255,12 +256,13 @@ class Progress:
     or when stderr is not a terminal (CI logs), only the lines are printed."""
 
     def __init__(self, enabled: bool, total: int, start: int = 0):
-        self.enabled, self.bar = enabled, None
+        self.enabled, self.bar, self.step = enabled, None, start  # step: steps done (start + one per update)
         if enabled:
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, disable=None, leave=False)
 
     def update(self, line: str, **postfix: float) -> None:
+        self.step += 1
         if not self.enabled:
             return
         if self.bar is None or self.bar.disable:

@@ -31,13 +31,13 @@ for r in (ev[0], ev[-1]):
     print(f"RM step {r['step']:4d}: held-out accuracy {r['eval/accuracy']:.3f}, margin {r['eval/margin']:+.3f}")
 PY
 # the prompts, in grpo.py's format (question, answer): the first human turn of each dialogue, train / held out as
-# rm.py split them (common.preference.holdout_split with the same seed and fraction)
+# rm.py split them (common.data.holdout_split with the same seed and fraction)
 PROMPTS=$OUT_DIR/rm_hh_qwen05b/prompts
 python - "$DATA" "$PROMPTS" <<'PY'
 import json, sys
 from pathlib import Path
 from common.data import load_rows
-from common.preference import holdout_split
+from common.data import holdout_split
 rows = load_rows(sys.argv[1], "train", None)
 out = Path(sys.argv[2]); out.mkdir(parents=True, exist_ok=True)
 for split, part in zip(("train", "test"), holdout_split(rows, 0.1, 1)):

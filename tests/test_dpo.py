@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.data import holdout_split
 from common.packing import shard_microbatches
-from common.preference import (Pair, build_pairs, cache_key, cached_reference_logprobs, holdout_split,
-                               pairs_from_samples, reference_logprobs, render_pair, split_shared_messages,
-                               split_shared_prefix)
+from common.preference import (Pair, build_pairs, cache_key, cached_reference_logprobs, pairs_from_samples,
+                               reference_logprobs, render_pair, split_shared_messages, split_shared_prefix)
 from conftest import torchrun
 from dpo import Args, implicit_rewards, pair_losses, preference_loss
 
@@ -128,7 +128,7 @@ def test_system_prompt_and_template_kwargs(tokenizer):
         check_pair_geometry(Args(chat_template_kwargs="[1]"), 1)
     check_pair_geometry(Args(chat_template_kwargs='{"enable_thinking": false}', system_prompt=system), 1)
     from common.preference import load_pair_splits  # the flags' way in: dpo.py's and rm.py's data loading
-    train, evals, _, _ = load_pair_splits(Args(system_prompt=system, eval_size=4), tokenizer, False)
+    train, evals, *_ = load_pair_splits(Args(system_prompt=system, eval_size=4), tokenizer, False)
     for p in train[:4] + evals:  # the shipped HH pairs (whole dialogues in text)
         assert tokenizer.decode(p.prompt_ids, skip_special_tokens=True).startswith("Be kind.\n\n\n\nHuman: ")
 

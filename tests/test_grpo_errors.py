@@ -52,7 +52,7 @@ def test_overlong_prompts_dropped_and_counted(tiny_model_dir, tmp_path):
     rows += [{"question": "word " * 400, "answer": "#### 0"}] * 2
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     p = run_grpo("--model", str(tiny_model_dir), "--dataset", str(data), "--max-prompt-tokens", "120",
-                 "--exp-name", "long", *TINY, tmp_path=tmp_path, check=True)
+                 "--eval-fraction", "0", "--exp-name", "long", *TINY, tmp_path=tmp_path, check=True)  # all rows train
     cfg = json.loads((tmp_path / "long" / "config.json").read_text())
     assert cfg["train_prompts"] == 4 and cfg["train_prompts_dropped_too_long"] == 2
     assert "4 (2)" in p.stdout  # the geometry table shows kept (dropped)

@@ -62,7 +62,7 @@ def test_stats_metrics_by_hand():
 def test_microbatch_split_gives_same_gradient(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     args = Args(eval_fraction=0.0, eval_size=0, max_length=128)
-    train, _, _, _ = load_pair_splits(args, tok, False)
+    train, *_ = load_pair_splits(args, tok, False)
     pairs, batch = train[:6], [5, 0, 3, 1, 4, 2]
     lengths = [p.num_tokens for p in pairs]
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def test_rm_two_ranks_export_scores_as_trained(tmp_path, tiny_model_dir):
     clf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert clf.config.num_labels == 1 and clf.config.architectures == ["Qwen2ForSequenceClassification"]
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    _, evals, _, _ = load_pair_splits(Args(eval_size=16), tok, False)
+    _, evals, *_ = load_pair_splits(Args(eval_size=16), tok, False)
     with torch.no_grad():
         r = torch.tensor([[clf(input_ids=torch.tensor([p.prompt_ids + resp])).logits[0, 0].item()
                            for resp in (p.chosen_ids, p.rejected_ids)] for p in evals], dtype=torch.float64)

@@ -418,7 +418,7 @@ def main(args: Args) -> None:
 
     model_path = resolve_model(args.model)  # a GGUF: grpo.py's conversion (cached), the folder grpo.py trains
     tok = load_tokenizer(model_path)  # grpo.py's tokenizer set-up, used both to render and by TRL
-    train, dropped, _ = load_prompt_splits(args, tok, 0, 1)
+    train, dropped, _, _ = load_prompt_splits(args, tok, 0, 1)
     rows = ordered_prompts(train, args.prompts_per_step, args.seed, args.num_steps)
     run_dir = Path(args.out_dir) / args.exp_name
     try:

@@ -221,14 +221,14 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
     if estimator == "k3":
-        return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
+        return torch.exp(-log_ratio.clamp(-20, 20)) - 1 + log_ratio  # k3: unbiased, >= 0; exp bounded
     raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3, or k1+, k3+, abs (--kl-estimator)")
 
 
 def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: float, dual_clip_c: float = 0.0):
     """PPO clipped surrogate per token, -min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A), capped at -c A where A < 0
     (dual-clip PPO, c = dual_clip_c > 0). logp, old_logp: (B, T); adv: (B,) or (B, T). Returns it, and where clipped."""
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # verl's bound: exp(89) is inf in float32
     adv = adv[:, None] if adv.dim() == 1 else adv
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * adv

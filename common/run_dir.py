@@ -13,9 +13,10 @@ import uuid
 from pathlib import Path
 
 from common import dist as D
+from common.errors import UsageError
 
 
-class RunDirError(RuntimeError):
+class RunDirError(UsageError, RuntimeError):
     """The run folder is held by another run, or holds an earlier run that this one would overwrite."""
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from common.checkpoint import export_hf, load_for_export
+from common.errors import user_errors
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -36,4 +37,5 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    with user_errors():  # a bad checkpoint or --model: one line, exit 2 (common/errors.py)
+        main()

@@ -333,3 +333,59 @@ def test_resume_keeps_each_segments_config(tmp_path, capsys):
     assert (run / "git.1.diff").is_file() and (run / "git.2.diff").is_file() and (run / "git.diff").is_file()
     Tracker(run, {"lr": 1.0}, False, "p", "n").finish()  # a fresh start (--overwrite): the old segments go
     assert sorted(p.name for p in run.glob("config*.json")) == ["config.json"]
+
+
+# ---- 9. Slurm's SIGTERM to each node's launcher: a checkpoint, and exit 143 ------------------------------------------
+REPEATED = """
+import os, signal, time
+from common.stop import install_stop_handler
+flag = install_stop_handler()
+os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's
+os.kill(os.getpid(), signal.SIGTERM)  # and the same one forwarded by torchrun: still a clean stop
+time.sleep(0.2)
+print("alive", flag.requested)
+"""
+
+
+def test_a_repeated_sigterm_is_one_request():
+    p = subprocess.run([sys.executable, "-c", REPEATED], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and p.stdout.strip().endswith("alive True"), (p.returncode, p.stdout, p.stderr)
+
+
+@pytest.mark.slow
+def test_sigterm_to_two_launchers_checkpoints_and_exits_143(tiny_model_dir, tmp_path):
+    """Two `runs/torchrun_node.sh` launchers (--nnodes 2 on localhost, one rank each) as Slurm starts them: SIGTERM to
+    both (what --signal=TERM@300 sends each node's task) ends both with 143 after a complete checkpoint that a
+    --resume latest continues from."""
+    from common.dist import _free_port
+    from test_multinode import clean_env, kill_tree
+    port, run_dir, procs = _free_port(), tmp_path / "slurm", []
+    env = clean_env(RUN_DIR=str(run_dir), TORCHRUN=f"{sys.executable} -m torch.distributed.run")
+    for node in (0, 1):
+        cmd = ["bash", "runs/torchrun_node.sh", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+               "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", "slurm", "--rdzv_conf", f"is_host={int(node == 0)}",
+               "grpo.py", "--model", str(tiny_model_dir), "--out-dir", str(tmp_path), "--exp-name", "slurm",
+               "--num-steps", "200", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
+               "--eval-every", "0", "--no-chat-template", "--resume", "latest"]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=open(tmp_path / f"node{node}.log", "w"),
+                                      stderr=subprocess.STDOUT))
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                (tmp_path / "node0.log").read_text()[-4000:]
+            time.sleep(0.5)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid, signal.SIGKILL)
+    logs = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
+    assert codes == [143, 143], (codes, logs[0][-4000:], logs[1][-4000:])
+    assert all("stopped by a signal after checkpointing" in log for log in logs)
+    assert "[rank 0] stopped by signal after step" in logs[0] + logs[1]
+    (ckpt,) = sorted((run_dir / "checkpoints").glob("step_*"))
+    import common.checkpoint as C
+    assert C.damage(ckpt) == "" and C.checkpoint_step_of(ckpt) >= 1

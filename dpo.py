@@ -57,10 +57,10 @@ import torch.nn.functional as F
 from common import checkpoint as C
 from common import dist as D
 from common import lora
-from common.args import LoraArgs, PairArgs, cli
+from common.args import LoraArgs, PairArgs, UsageError, cli, user_errors
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
-from common.lifecycle import checkpoint_step, finish_run, start_run
+from common.lifecycle import checkpoint_step, finish_run, plan_run, start_run
 from common.models import CACHE, TokenLogProbs, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
@@ -137,7 +137,7 @@ def preference_loss(logp_c, logp_r, ref_c, ref_r, loss: str, beta: float, label_
     eps = label_smoothing  # the probability that a preference label is flipped
     allowed = {"robust": "[0, 0.5) (rDPO divides by 1 - 2 eps)", "exo_pair": "(0, 1) (EXO takes log eps), e.g. 1e-3"}
     if not 0 <= eps <= 1 or (loss == "robust" and eps >= 0.5) or (loss == "exo_pair" and not 0 < eps < 1):
-        raise ValueError(f"--label-smoothing {eps} with --loss {loss}: must be in {allowed.get(loss, '[0, 1]')}")
+        raise UsageError(f"--label-smoothing {eps} with --loss {loss}: must be in {allowed.get(loss, '[0, 1]')}")
     if loss == "simpo":  # SimPO eq. 6: reference-free, margin gamma
         logits = beta * (logp_c - logp_r) - simpo_gamma
     else:
@@ -152,7 +152,7 @@ def preference_loss(logp_c, logp_r, ref_c, ref_r, loss: str, beta: float, label_
     if loss == "exo_pair":  # EXO eq. 16: KL(q || p), the policy q = [s(beta h), s(-beta h)], the label p = [1-eps, eps]
         return sum(torch.sigmoid(z) * (F.logsigmoid(z) - math.log(p)) for z, p in ((logits, 1 - eps), (-logits, eps)))
     if loss not in ("sigmoid", "sigmoid_norm", "simpo"):
-        raise ValueError(f"--loss {loss!r}: use sigmoid, sigmoid_norm, ipo, simpo, hinge, robust or exo_pair")
+        raise UsageError(f"--loss {loss!r}: use sigmoid, sigmoid_norm, ipo, simpo, hinge, robust or exo_pair")
     # cDPO: the label is wrong with probability eps, so the target is the eps-smoothed Bernoulli
     return -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
 
@@ -240,7 +240,7 @@ def main(args: Args) -> None:
     # ---- data ---------------------------------------------------------------------------------------------
     train, evals, dropped, eval_dropped, held_out = load_pair_splits(args, tok, d.is_main)
     if args.pairs_per_step > len(train):
-        raise ValueError(f"--pairs-per-step {args.pairs_per_step} is more than the {len(train)} train pairs "
+        raise UsageError(f"--pairs-per-step {args.pairs_per_step} is more than the {len(train)} train pairs "
                          f"(dropped: {describe_dropped(dropped)}); lower it")
     pairs = train + evals  # one table: train pairs first, then the held-out ones
     eval_ids = list(range(len(train), len(pairs)))
@@ -276,12 +276,13 @@ def main(args: Args) -> None:
     ckpt_root = run_dir / "checkpoints"
     state = {"policy": (policy, optimizer), "scheduler": scheduler}
     start, resume_from = 0, C.resolve_resume(args.resume, ckpt_root)
+    plan_run(resume_from, num_steps, d.is_main, "" if args.num_steps else f"--num-epochs {args.num_epochs}")
     epoch, position = 0, 0  # data position: pairs of epoch `epoch`'s seeded shuffle used so far
     if resume_from:  # model, optimiser, LR schedule, RNG and data position, exactly as they were
         extra = C.load_checkpoint(resume_from, state)
         start, epoch, position = extra["step"], extra["data"]["epoch"], extra["data"]["position"]
         if extra["ref_cache"] and ref_cache and Path(extra["ref_cache"]).name != Path(ref_cache).name:
-            raise ValueError(f"--resume {resume_from}: that run trained against the reference log-probs "
+            raise UsageError(f"--resume {resume_from}: that run trained against the reference log-probs "
                              f"{extra['ref_cache']}, this one has {ref_cache}: the pairs, the reference model or the "
                              "flags in the cache key differ from that run's")
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
@@ -318,9 +319,9 @@ def main(args: Args) -> None:
     # ---- the loop -----------------------------------------------------------------------------------------
     policy.train()
     order: list[int] = []
-    evaluating = args.eval_every and eval_ids
+    evaluating = (args.eval_every or not num_steps) and eval_ids  # 0 steps: this evaluation alone
     progress, stopping = Progress(d.is_main, num_steps, start), False
-    if evaluating and start % args.eval_every == 0 and start < num_steps:
+    if evaluating and start < num_steps and start % args.eval_every == 0:
         evaluate_and_log(start)
     for step in range(start, num_steps):
         perf: dict[str, float] = dict(perf0) if step == start else {}
@@ -372,9 +373,10 @@ def main(args: Args) -> None:
             break  # a signal on any rank: checkpointed (resumes exactly here), now leave
 
     if evaluating and not stopping:
-        evaluate_and_log(num_steps)  # the final evaluation, on the final weights
+        evaluate_and_log(max(start, num_steps))  # the final evaluation, on the final weights
     finish_run(args.export_hf, policy, tok, lm.config, progress, tracker, stop, args.lora, model_path)  # exit 143
 
 
 if __name__ == "__main__":
-    main(cli(Args, __doc__))
+    with user_errors():  # a bad flag, file or row: one line, exit 2 (common/errors.py)
+        main(cli(Args, __doc__))

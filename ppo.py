@@ -53,7 +53,7 @@ from torch import nn
 from common import dist as D
 from common import lora
 from common.attention import attn_kwargs
-from common.args import LossAgg, RLArgs, cli
+from common.args import LossAgg, RLArgs, UsageError, cli, user_errors
 from common.data import PromptSampler
 from common.evaluate import evaluate, log_eval
 from common.fsdp import clip_grad_norm, shard
@@ -225,15 +225,15 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
     if estimator == "k3":
-        return torch.exp(-log_ratio) - 1 + log_ratio  # k3: unbiased and always >= 0
-    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3, or k1+, k3+, abs (--kl-estimator)")
+        return torch.exp(-log_ratio.clamp(-20, 20)) - 1 + log_ratio  # k3: unbiased, >= 0; exp bounded
+    raise UsageError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3, or k1+, k3+, abs (--kl-estimator)")
 
 
 # Same as grpo.py:clipped_pg_loss
 def clipped_pg_loss(logp, old_logp, adv, clip_eps_low: float, clip_eps_high: float, dual_clip_c: float = 0.0):
     """PPO clipped surrogate per token, -min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A), capped at -c A where A < 0
     (dual-clip PPO, c = dual_clip_c > 0). logp, old_logp: (B, T); adv: (B,) or (B, T). Returns it, and where clipped."""
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # verl's bound: exp(89) is inf in float32
     adv = adv[:, None] if adv.dim() == 1 else adv
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * adv
@@ -255,7 +255,7 @@ def loss_normaliser(mask: torch.Tensor, loss_agg: str, max_new_tokens: int) -> f
         return float(max(1, n_seq) * max_new_tokens)  # Dr. GRPO: a constant per sequence, not its length
     if loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum-verl"):
         return float(max(1, n_seq))  # each sequence first averaged over its own tokens, or summed (verl)
-    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum-norm, "
+    raise UsageError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum-norm, "
                      "seq-mean-token-mean or seq-mean-token-sum-verl (--loss-agg)")
 
 
@@ -267,7 +267,7 @@ def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, loss_agg: str, no
         return per_seq.sum() / normaliser
     if loss_agg in ("token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum", "seq-mean-token-sum-verl"):
         return (loss_tok * mask).sum() / normaliser
-    raise ValueError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum-norm, "
+    raise UsageError(f"unknown loss aggregation {loss_agg!r}: use token-mean, seq-mean-token-sum-norm, "
                      "seq-mean-token-mean or seq-mean-token-sum-verl (--loss-agg)")
 
 
@@ -401,7 +401,7 @@ def main(args: Args) -> None:
     state = {"policy": (policy, optimizer), "critic": (critic, critic_optimizer), "scheduler": scheduler,
              "critic_scheduler": critic_scheduler} | (rm.state() if rm else {})  # + the RM score's running norm
     # resume: models, optimisers, LR schedules, kl_coef (beta, the adaptive controller's state), RNG, data position
-    start, resume_from, kl_coef = resume_run(args.resume, ckpt_root, state, sampler, args.kl_coef)
+    start, resume_from, kl_coef = resume_run(args, ckpt_root, state, sampler)
     stop, guard = install_stop_handler(), NanGuard(args.max_bad_updates, ckpt_root)
     tracker = start_tracking(args, d, run_dir, start, resume_from, {"model_path": model_path, "critic_path": critic_path},
                              {"prompts / step (P)": args.prompts_per_step, "samples / prompt (n)": args.samples_per_prompt,
@@ -540,10 +540,11 @@ def main(args: Args) -> None:
                                                                           "kl_coef": kl_coef}, args, d.rank):
             break  # a signal on any rank: checkpointed (resumes exactly here), now leave
 
-    if args.eval_every and not stopping:
-        evaluate_and_log(args.num_steps)  # the final evaluation, on the final weights
+    if (args.eval_every or not args.num_steps) and not stopping:  # --num-steps 0: this evaluation alone
+        evaluate_and_log(max(start, args.num_steps))  # the final evaluation, on the final weights
     finish_run(args.export_hf, policy, tok, lm.config, progress, tracker, stop, args.lora, model_path)
 
 
 if __name__ == "__main__":
-    main(cli(Args, __doc__))
+    with user_errors():  # a bad flag, file or row: one line, exit 2 (common/errors.py)
+        main(cli(Args, __doc__))

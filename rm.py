@@ -41,10 +41,10 @@ import torch.nn.functional as F
 
 from common import checkpoint as C
 from common import dist as D
-from common.args import PairArgs, cli
+from common.args import PairArgs, UsageError, cli, user_errors
 from common.evaluate import log_eval
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
-from common.lifecycle import checkpoint_step, finish_run, start_run
+from common.lifecycle import checkpoint_step, finish_run, plan_run, start_run
 from common.models import load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import shard_microbatches
@@ -154,12 +154,13 @@ def main(args: Args) -> None:
     model, plan = shard(clf, args.fsdp, d.device, root=LastTokenReward(clf))
     train, evals, dropped, eval_dropped, held_out = load_pair_splits(args, tok, d.is_main)
     if args.pairs_per_step > len(train):
-        raise ValueError(f"--pairs-per-step {args.pairs_per_step} is more than the {len(train)} train pairs "
+        raise UsageError(f"--pairs-per-step {args.pairs_per_step} is more than the {len(train)} train pairs "
                          f"(dropped: {describe_dropped(dropped)}); lower it")
     pairs = train + evals  # one table: train pairs first, then the held-out ones
     eval_ids = list(range(len(train), len(pairs)))
     lengths = [p.num_tokens for p in pairs]
     steps_per_epoch = len(train) // args.pairs_per_step
+    setting = "" if args.num_steps else f"--num-epochs {args.num_epochs}"  # how the number of steps was set
     num_steps = args.num_steps = args.num_steps or args.num_epochs * steps_per_epoch  # 0: --num-epochs, resolved
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=args.adam_betas,
                                   weight_decay=args.weight_decay)
@@ -169,6 +170,7 @@ def main(args: Args) -> None:
     ckpt_root = run_dir / "checkpoints"
     state = {"rm": (model, optimizer), "scheduler": scheduler}
     start, resume_from = 0, C.resolve_resume(args.resume, ckpt_root)
+    plan_run(resume_from, num_steps, d.is_main, setting)
     epoch, position = 0, 0  # data position: pairs of epoch `epoch`'s seeded shuffle used so far
     if resume_from:  # model, optimiser, LR schedule, RNG and data position, exactly as they were
         extra = C.load_checkpoint(resume_from, state)
@@ -200,9 +202,9 @@ def main(args: Args) -> None:
     # ---- the loop -----------------------------------------------------------------------------------------
     model.train()
     order: list[int] = []
-    evaluating = args.eval_every and eval_ids
+    evaluating = (args.eval_every or not num_steps) and eval_ids  # 0 steps: this evaluation alone
     progress, stopping = Progress(d.is_main, num_steps, start), False
-    if evaluating and start % args.eval_every == 0 and start < num_steps:
+    if evaluating and start < num_steps and start % args.eval_every == 0:
         evaluate_and_log(start)
     for step in range(start, num_steps):
         perf: dict[str, float] = {}
@@ -253,9 +255,10 @@ def main(args: Args) -> None:
             break  # a signal on any rank: checkpointed (resumes exactly here), now leave
 
     if evaluating and not stopping:
-        evaluate_and_log(num_steps)  # the final evaluation, on the final weights
+        evaluate_and_log(max(start, num_steps))  # the final evaluation, on the final weights
     finish_run(args.export_hf, model, tok, clf.config, progress, tracker, stop, None, model_path)  # exit 143 if stopped
 
 
 if __name__ == "__main__":
-    main(cli(Args, __doc__))
+    with user_errors():  # a bad flag, file or row: one line, exit 2 (common/errors.py)
+        main(cli(Args, __doc__))

@@ -41,14 +41,14 @@ import torch
 from common import checkpoint as C
 from common import dist as D
 from common import lora
-from common.args import LoraArgs, RunArgs, cli
+from common.args import LoraArgs, RunArgs, UsageError, cli, user_errors
 from common.attention import attn_kwargs, describe
 from common.chat import build_examples, row_format
 from common.data import DEFAULT_INSTRUCTION, build_prompts, chat_template_kwargs, load_splits
 from common.evaluate import evaluate, log_eval
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs, clip_grad_norm, reshard, shard
-from common.lifecycle import checkpoint_step, finish_run, start_run
+from common.lifecycle import checkpoint_step, finish_run, plan_run, start_run
 from common.models import TokenLogProbs, TokenLoss, eos_token_ids, load_causal_lm, load_tokenizer
 from common.nan_guard import NanGuard
 from common.packing import pack_masked, shard_microbatches
@@ -123,7 +123,7 @@ class Args(RunArgs):  # and the run flags of common/args.py
     sequences_per_step: int = 32
     """conversations per optimiser step, over all ranks (the loss is the mean over all their assistant tokens)"""
     num_epochs: int = 1
-    """passes over the train conversations (when --num-steps is 0)"""
+    """passes over the train conversations (when --num-steps is 0; 0 as well: evaluate only, docs/checkpoints.md)"""
     max_tokens_per_microbatch: int = 8192
     """token budget of one packed forward/backward per rank (gradient accumulation follows from it)"""
     # ---- engine ------------------------------------------------------------------------------------------
@@ -224,10 +224,10 @@ def evaluate_loss(policy, examples, ids: list[int], args: Args, d) -> dict:
 def main(args: Args) -> None:
     d = start_run(args.device, args.deterministic, args.seed)  # process group, determinism, seeds, varlen attention
     if args.max_tokens_per_microbatch < args.max_length:
-        raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
+        raise UsageError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
                          f"conversation (--max-length {args.max_length}); raise it or lower --max-length")
     if args.sequences_per_step < d.world_size:
-        raise ValueError(f"--sequences-per-step {args.sequences_per_step} must be at least the number of ranks "
+        raise UsageError(f"--sequences-per-step {args.sequences_per_step} must be at least the number of ranks "
                          f"({d.world_size})")
     template_kwargs = chat_template_kwargs(args.chat_template_kwargs)  # a bad one stops the run here
     run_dir = Path(args.out_dir) / args.exp_name
@@ -252,7 +252,7 @@ def main(args: Args) -> None:
     train, dropped = build_examples(splits.train, tok, args.max_length, stop_ids, **fields)
     evals, eval_dropped = build_examples(eval_rows[:args.eval_size or None], tok, args.max_length, stop_ids, **fields)
     if args.sequences_per_step > len(train):
-        raise ValueError(f"--sequences-per-step {args.sequences_per_step} is more than the {len(train)} train "
+        raise UsageError(f"--sequences-per-step {args.sequences_per_step} is more than the {len(train)} train "
                          f"conversations ({dropped} dropped as longer than --max-length {args.max_length}); lower it")
     examples = train + evals  # one table: train conversations first, then the held-out ones
     eval_ids = list(range(len(train), len(examples)))
@@ -266,7 +266,7 @@ def main(args: Args) -> None:
                                        args.completion_field) == "completion" and isinstance(
                                            eval_rows[0][args.prompt_field], str)
     engine, prompts, sampling, reward_fn = None, [], {}, None
-    if args.eval_every and args.eval_accuracy_size and answers:
+    if (args.eval_every or not num_steps) and args.eval_accuracy_size and answers:
         prompts = build_prompts(eval_rows[:args.eval_accuracy_size], tok, args.prompt_field, args.completion_field,
                                 args.instruction, args.max_length, True, args.system_prompt,
                                 template_kwargs)[0][d.rank::d.world_size]
@@ -280,6 +280,7 @@ def main(args: Args) -> None:
     ckpt_root = run_dir / "checkpoints"
     state = {"policy": (policy, optimizer), "scheduler": scheduler}
     start, resume_from = 0, C.resolve_resume(args.resume, ckpt_root)
+    plan_run(resume_from, num_steps, d.is_main, "" if args.num_steps else f"--num-epochs {args.num_epochs}")
     epoch, position = 0, 0  # data position: conversations of epoch `epoch`'s seeded shuffle used so far
     if resume_from:  # model, optimiser, LR schedule, RNG and data position, exactly as they were
         extra = C.load_checkpoint(resume_from, state)
@@ -324,9 +325,9 @@ def main(args: Args) -> None:
     # ---- the loop -----------------------------------------------------------------------------------------
     policy.train()
     order: list[int] = []
-    evaluating = args.eval_every and (eval_ids or engine is not None)
+    evaluating = (args.eval_every or not num_steps) and (eval_ids or engine is not None)  # 0: eval alone
     progress, stopping = Progress(d.is_main, num_steps, start), False
-    if evaluating and start % args.eval_every == 0 and start < num_steps:
+    if evaluating and start < num_steps and start % args.eval_every == 0:
         evaluate_and_log(start)
     for step in range(start, num_steps):
         perf: dict[str, float] = {}
@@ -370,9 +371,10 @@ def main(args: Args) -> None:
             break  # a signal on any rank: checkpointed (resumes exactly here), now leave
 
     if evaluating and not stopping:
-        evaluate_and_log(num_steps)  # the final evaluation, on the final weights
+        evaluate_and_log(max(start, num_steps))  # the final evaluation, on the final weights
     finish_run(args.export_hf, policy, tok, lm.config, progress, tracker, stop, args.lora, model_path)  # exit 143
 
 
 if __name__ == "__main__":
-    main(cli(Args, __doc__))
+    with user_errors():  # a bad flag, file or row: one line, exit 2 (common/errors.py)
+        main(cli(Args, __doc__))

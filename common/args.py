@@ -3,9 +3,13 @@ each script declared them (tyro: the --help of each script lists them with its o
 RLArgs: grpo.py and ppo.py (prompts, reward, sampling, optimiser, engine, where the reference model lives, and the
 derived geometry both compute alike). Algorithm knobs and the batch-geometry flags never live here: they are in
 each script's Args, which can also redeclare a field here to change its default."""
+import contextlib
 import dataclasses
 import inspect
+import os
 import re
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -13,6 +17,7 @@ from typing import Annotated, Literal
 import tyro
 
 from common.data import DEFAULT_INSTRUCTION
+from common.errors import OTHER_RANKS_WAIT_S, UsageError, user_errors  # noqa: F401  (the scripts import the last two)
 from common.flops import PEAK_FLOPS
 from common.fsdp import FSDPArgs
 from common.lora import LoraArgs
@@ -35,7 +40,7 @@ class RunArgs:
     seed: int = 1
     """seed for data order, sampling and initialisation"""
     num_steps: int = 8
-    """rollout steps (generate, score, learn) to run"""
+    """rollout steps (generate, score, learn) to run; 0: evaluate the model (or the --resume checkpoint) only"""
     track: bool = False
     """log to wandb (rank 0) as well as to metrics.jsonl"""
     wandb_project: str = "rl-post-train"
@@ -100,7 +105,7 @@ class PairArgs(RunArgs):
     pairs_per_step: int = 8
     """pairs per optimiser step, over all ranks (the loss is their mean)"""
     num_epochs: int = 1
-    """passes over the train pairs (when --num-steps is 0)"""
+    """passes over the train pairs (when --num-steps is 0; 0 as well: evaluate only, docs/checkpoints.md)"""
 
 
 @dataclass
@@ -319,7 +324,17 @@ def cli(cls, description: str = ""):
         sec = dataclasses.make_dataclass(title.replace(" ", "_"), groups[title])
         outer.append((title.replace(" ", "_"), Annotated[sec, tyro.conf.OmitArgPrefixes],
                       dataclasses.field(default_factory=sec)))
-    parsed = tyro.cli(dataclasses.make_dataclass(cls.__name__, outer + nested), description=description.split("\n\n")[0])
+    # under torchrun every rank parses the same argv: rank 0 alone prints --help or a bad flag's message (exit 2); the
+    # others wait a moment first, so that torchrun, which ends every rank when one exits, lets rank 0 print it
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null if rank else sys.stdout), \
+            contextlib.redirect_stderr(null if rank else sys.stderr):
+        try:
+            parsed = tyro.cli(dataclasses.make_dataclass(cls.__name__, outer + nested),
+                              description=description.split("\n\n")[0])
+        except SystemExit:
+            time.sleep(OTHER_RANKS_WAIT_S if rank else 0)
+            raise
     flat = {name: getattr(parsed, name) for name, _, _ in nested}
     for name, _, _ in outer:
         flat |= {f.name: getattr(getattr(parsed, name), f.name) for f in dataclasses.fields(getattr(parsed, name))}

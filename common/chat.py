@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass
 
 from common.data import field_problem, plain_text, row_name, with_system
+from common.errors import UsageError
 
 ROLES = ("system", "user", "assistant", "tool")
 GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -56,22 +57,22 @@ def row_format(row: dict, messages_field: str, prompt_field: str, completion_fie
         return "messages"
     if prompt_field in row and completion_field in row:
         return "completion"
-    raise ValueError(f"has neither a {messages_field!r} field (--messages-field) nor both {prompt_field!r} "
+    raise UsageError(f"has neither a {messages_field!r} field (--messages-field) nor both {prompt_field!r} "
                      f"(--prompt-field) and {completion_field!r} (--completion-field); its fields are {sorted(row)}")
 
 
 def check_messages(messages, field: str) -> list[dict]:
     """A message list in the HF format with at least one assistant turn, or an error naming the field."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"field {field!r} must be a non-empty list of messages, got {str(messages)[:80]!r}")
+        raise UsageError(f"field {field!r} must be a non-empty list of messages, got {str(messages)[:80]!r}")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(f"field {field!r} message {j} must be {{'role': one of {ROLES}, 'content': text}}, "
+            raise UsageError(f"field {field!r} message {j} must be {{'role': one of {ROLES}, 'content': text}}, "
                              f"got {str(m)[:120]!r}")
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"field {field!r} has no assistant turn: nothing to train on")
+        raise UsageError(f"field {field!r} has no assistant turn: nothing to train on")
     if messages[0]["role"] == "assistant":
-        raise ValueError(f"field {field!r} starts with an assistant turn; a conversation opens with a system or "
+        raise UsageError(f"field {field!r} starts with an assistant turn; a conversation opens with a system or "
                          "user message")
     return messages
 
@@ -87,12 +88,12 @@ def to_messages(row: dict, messages_field: str, prompt_field: str, completion_fi
         prompt = [{"role": "user", "content": prompt if instruction is None else f"{prompt}\n{instruction}"}]
     if isinstance(completion, str):
         if not completion.strip():
-            raise ValueError(f"field {completion_field!r} is empty: nothing to train on")
+            raise UsageError(f"field {completion_field!r} is empty: nothing to train on")
         completion = [{"role": "assistant", "content": completion}]
     if not isinstance(prompt, list) or not isinstance(completion, list):
-        raise ValueError(f"fields {prompt_field!r} and {completion_field!r} must be text or message lists")
+        raise UsageError(f"fields {prompt_field!r} and {completion_field!r} must be text or message lists")
     if any(isinstance(m, dict) and m.get("role") != "assistant" for m in completion):
-        raise ValueError(f"field {completion_field!r} may only hold assistant turns")
+        raise UsageError(f"field {completion_field!r} may only hold assistant turns")
     return with_system(check_messages(prompt + completion, f"{prompt_field}+{completion_field}"), system_prompt)
 
 
@@ -106,7 +107,7 @@ def prefix_spans(tok, messages: list[dict], template_kwargs: dict | None = None)
             continue
         before, after = render(messages[:i], True), render(messages[:i + 1], False)
         if not (text.startswith(before) and text.startswith(after) and len(before) <= len(after)):
-            raise ValueError(f"the chat template renders turn {i} differently inside the whole conversation than on "
+            raise UsageError(f"the chat template renders turn {i} differently inside the whole conversation than on "
                              "its own (it rewrites earlier turns), so the assistant tokens cannot be found by "
                              "rendering prefixes; use a template with {% generation %} blocks (--assistant-mask "
                              "generation)")
@@ -125,11 +126,11 @@ def tokenize_messages(tok, messages: list[dict], stop_ids: list[int], method: st
                                       **(template_kwargs or {}))
         mask = [bool(x) for x in out["assistant_masks"]]
         if not any(mask):
-            raise ValueError("--assistant-mask generation: the chat template marked no assistant token (it has no "
+            raise UsageError("--assistant-mask generation: the chat template marked no assistant token (it has no "
                              "{% generation %} block); use --assistant-mask prefix")
         return Example(list(out["input_ids"]), mask)
     if not tok.is_fast:
-        raise ValueError("--assistant-mask prefix needs a fast tokenizer (character offsets of each token); use "
+        raise UsageError("--assistant-mask prefix needs a fast tokenizer (character offsets of each token); use "
                          "--assistant-mask generation with a {% generation %} template")
     text, spans = prefix_spans(tok, messages, template_kwargs)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -167,7 +168,7 @@ def build_examples(rows: list[dict], tok, max_length: int, stop_ids: list[int], 
                                          "the field that holds it")
             if tok.chat_template is None:
                 if row_format(row, messages_field, prompt_field, completion_field) == "messages":
-                    raise ValueError("is a message list, but the tokenizer has no chat template to render it")
+                    raise UsageError("is a message list, but the tokenizer has no chat template to render it")
                 prompt = str(row[prompt_field]) if instruction is None else f"{row[prompt_field]}\n{instruction}"
                 ex = tokenize_plain(tok, plain_text([{"role": "user", "content": prompt}], system_prompt),
                                     str(row[completion_field]))
@@ -175,9 +176,9 @@ def build_examples(rows: list[dict], tok, max_length: int, stop_ids: list[int], 
                 ex = tokenize_messages(tok, to_messages(row, messages_field, prompt_field, completion_field,
                                                         instruction, system_prompt), stop_ids, method, template_kwargs)
         except ValueError as e:
-            raise ValueError(f"{row_name(rows, i, source)}: {e}") from None
+            raise UsageError(f"{row_name(rows, i, source)}: {e}") from None
         if not ex.num_trained:
-            raise ValueError(f"{row_name(rows, i, source)}: no token is trained (the assistant turns rendered empty)")
+            raise UsageError(f"{row_name(rows, i, source)}: no token is trained (the assistant turns rendered empty)")
         if ex.num_tokens <= max_length:
             examples.append(ex)
     return examples, len(rows) - len(examples)

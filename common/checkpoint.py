@@ -11,7 +11,8 @@ common/stop.py, the non-finite guard common/nan_guard.py, the run folder's lock 
 
 A checkpoint folder `step_000012` holds the state after 12 completed steps: DCP shards of every (model, optimiser)
 pair and of the other stateful objects (LR scheduler), `extra.json` (rank 0's plain dict: data position, algorithm
-state), `rng_rank{r}.pt` per rank, and `COMPLETE` (a JSON manifest) written last. Only folders with COMPLETE count.
+state), `rng_rank{r}.pt` per rank, and `COMPLETE` (a JSON manifest: step, world size, every file and its size) written
+last. Only folders with COMPLETE count; a resume checks their files first (damage(): --resume latest skips one).
 Layout and failure behaviour: docs/checkpoints.md. Standalone export (tools/export.py):
     python -m tools.export --checkpoint runs_out/grpo/checkpoints/step_000010 --model <orig> --out DIR
 """
@@ -36,6 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from common import dist as D
+from common.errors import UsageError
 from common.fsdp import iter_full_params
 
 STEP_RE = re.compile(r"^step_(\d+)$")
@@ -43,8 +45,8 @@ COMPLETE = "COMPLETE"
 SHARD_BYTES = 2 * 2**30  # safetensors files of at most 2 GiB (one tensor larger than that gets its own file)
 
 
-class CheckpointError(RuntimeError):
-    """A save or load that failed; the message says what is intact and what to do."""
+class CheckpointError(UsageError, RuntimeError):
+    """A save or load that failed; the message says what is intact and what to do (a user error: common/errors.py)."""
 
 
 # DCP's own CheckpointException derives from BaseException, not Exception: every except clause below names it.
@@ -87,12 +89,62 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_step_of(path: Path) -> int:
+    """The step a complete checkpoint holds the state after (its manifest's)."""
+    return int(json.loads((Path(path) / COMPLETE).read_text())["step"])
+
+
+def damage(path: Path) -> str:
+    """Why the complete checkpoint `path` cannot be loaded, "" when it is whole: a file that its manifest (COMPLETE
+    lists every file and its size) or, for checkpoints written before the manifest did, DCP's .metadata and the
+    world size name is missing or shorter than written. Cheap: reads the manifest and stats the files."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / COMPLETE).read_text())
+    except (OSError, ValueError) as e:
+        return f"its {COMPLETE} manifest cannot be read ({type(e).__name__})"
+    need = manifest.get("files")  # {name: bytes}
+    if need is None:
+        need = {".metadata": 0, "extra.json": 0} | {f"rng_rank{r}.pt": 0 for r in range(manifest.get("world_size", 1))}
+        if (path / ".metadata").is_file():
+            from torch.distributed.checkpoint import FileSystemReader
+            try:
+                for info in FileSystemReader(str(path)).read_metadata().storage_data.values():
+                    need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+            except Exception as e:  # a damaged .metadata
+                return f".metadata cannot be read ({type(e).__name__}: {_short(e)})"
+    for name, size in sorted(need.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size < size:
+            return f"{name} is truncated ({f.stat().st_size} of {size} bytes)"
+    return ""
+
+
+def whole_checkpoint(ckpt_root: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint under ckpt_root that is whole (damage() finds nothing), or None; and one line
+    for each newer one skipped ("step_000004: rng_rank1.pt is missing")."""
+    skipped = []
+    for p in reversed(complete_checkpoints(ckpt_root)):
+        if not (why := damage(p)):
+            return p, skipped
+        skipped.append(f"{p.name}: {why}")
+    return None, skipped
+
+
 def resolve_resume(arg: str, ckpt_root: Path) -> Path | None:
     """--resume: "" (start fresh), "latest" (newest complete checkpoint under ckpt_root; None when there is none),
     or an explicit checkpoint folder, which must carry the COMPLETE marker. Rank 0 prints which it is."""
-    path = None
+    path, rank = None, _rank_world()[0]
     if arg == "latest":
-        path = latest_checkpoint(ckpt_root)
+        path, skipped = whole_checkpoint(ckpt_root)
+        if skipped and path is None:
+            raise CheckpointError(f"--resume latest: no checkpoint under {ckpt_root} can be loaded ("
+                                  f"{'; '.join(skipped)}); restore the missing files, or start fresh with --overwrite")
+        if skipped and rank == 0:
+            print(f"--resume latest: skipping the damaged {'; '.join(skipped)}; resuming from the newest whole "
+                  f"checkpoint, {path.name}", flush=True)
     elif arg:
         path = Path(arg).expanduser()
         have = ", ".join(p.name for p in complete_checkpoints(ckpt_root)) or "none"
@@ -111,7 +163,11 @@ def resolve_resume(arg: str, ckpt_root: Path) -> Path | None:
         if not (path / COMPLETE).is_file() or path.name.startswith(".tmp-"):  # .tmp-: never renamed into place
             raise CheckpointError(f"--resume {arg}: the checkpoint is incomplete (no {COMPLETE} marker: the run was "
                                   f"killed while writing it); use --resume latest or another checkpoint")
-    if path is None and _rank_world()[0] == 0:
+        if why := damage(path):
+            usable = whole_checkpoint(path.parent)[0]
+            raise CheckpointError(f"--resume {arg}: the checkpoint is damaged: {why}. " + (
+                f"The newest whole checkpoint beside it is {usable}" if usable else "No checkpoint beside it is whole"))
+    if path is None and rank == 0:
         print(f"no checkpoint{' under ' + str(ckpt_root) if arg else ''}, starting fresh", flush=True)
     return path
 
@@ -221,7 +277,8 @@ def save_checkpoint(ckpt_root: Path, step: int, state: dict, extra: dict | None 
                 raise FileNotFoundError(f"files missing after the write: {missing} (on several machines the "
                                         f"checkpoint folder must be on a shared file system)")
             manifest = {"step": step, "world_size": world, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                        "unix_time": time.time(), "host": socket.gethostname(), "torch": torch.__version__}
+                        "unix_time": time.time(), "host": socket.gethostname(), "torch": torch.__version__,
+                        "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}}
             (tmp / COMPLETE).write_text(json.dumps(manifest, indent=1))
             old = None
             if final.exists():  # saving the same step again (a resumed run): move the old one aside first
@@ -293,6 +350,8 @@ def load_checkpoint(path: Path, state: dict, restore_rng: bool = True) -> dict:
     if not (path / COMPLETE).is_file():
         raise CheckpointError(f"{path} is incomplete (no {COMPLETE} marker: the run was killed while writing it); "
                               "use --resume latest or another checkpoint")
+    if why := damage(path):
+        raise CheckpointError(f"{path} is damaged: {why}; resume from another checkpoint (--resume latest skips it)")
     manifest = json.loads((path / COMPLETE).read_text())
     rank, world = _rank_world()
     loaded = _dcp_state(state)
@@ -364,7 +423,7 @@ def agree_export_dir(out_dir, flag: str = "--export-hf") -> None:
     problem = export_dir_problem(out_dir, flag=flag) if D.rank() == 0 else ""
     problem = D.broadcast_object(problem)
     if problem:
-        raise ValueError(problem)
+        raise UsageError(problem)
 
 
 def write_export(out_dir, fill, source: dict | None = None, flag: str = "--export-hf") -> Path:
@@ -378,7 +437,7 @@ def write_export(out_dir, fill, source: dict | None = None, flag: str = "--expor
     from common.tracking import git_state
     out = Path(out_dir).expanduser().absolute()
     if problem := export_dir_problem(out, flag=flag):
-        raise ValueError(problem)
+        raise UsageError(problem)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -391,7 +450,7 @@ def write_export(out_dir, fill, source: dict | None = None, flag: str = "--expor
         shutil.rmtree(tmp, ignore_errors=True)  # our own half-written folder
         raise
     if problem := export_dir_problem(out, flag=flag):  # something appeared in out_dir while the export was written
-        raise ValueError(f"{problem}; this export was written to {tmp} instead")
+        raise UsageError(f"{problem}; this export was written to {tmp} instead")
     old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
     if out.exists():
         os.rename(out, old)  # empty, or an earlier export's files only
@@ -504,6 +563,8 @@ def load_for_export(checkpoint: Path, model_path: str, key: str = "policy") -> n
     if not (checkpoint / COMPLETE).is_file():
         raise CheckpointError(f"{checkpoint} is incomplete (no {COMPLETE} marker: the run was killed while "
                               "writing it); pick another checkpoint")
+    if why := damage(checkpoint):
+        raise CheckpointError(f"{checkpoint} is damaged: {why}; pick another checkpoint")
     config = AutoConfig.from_pretrained(model_path)
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     head = f"{key}.model."

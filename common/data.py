@@ -17,6 +17,8 @@ import os
 import random
 from dataclasses import dataclass
 
+from common.errors import UsageError
+
 # Double quotes inside: tyro shell-quotes a str default in --help, and a single quote there reads '"'"'.
 DEFAULT_INSTRUCTION = 'Solve the problem step by step. Give the final answer as "#### <number>" on the last line.'
 
@@ -96,7 +98,7 @@ def read_rows(spec: str, split: str, config: str | None = None) -> Rows:
                                                                            kinds=kinds)}
             return Rows(make_arithmetic_rows(ARITH_TEST_SIZE, ARITH_TEST_SEED, exclude=train_questions, kinds=kinds),
                         f"{spec} (test)")
-        raise ValueError(f"dataset {spec!r} has splits 'train' and 'test', not {split!r}")
+        raise UsageError(f"dataset {spec!r} has splits 'train' and 'test', not {split!r}")
 
     path = os.path.expanduser(spec)
     if os.path.isfile(path):
@@ -107,19 +109,19 @@ def read_rows(spec: str, split: str, config: str | None = None) -> Rows:
             if os.path.isfile(candidate):
                 return _read_file(candidate)
         files = sorted(os.listdir(path))
-        raise FileNotFoundError(
+        raise UsageError(
             f"dataset folder {spec!r} has no file for split {split!r} (looked for "
             f"{', '.join(split + s for s in _SUFFIXES)}); it holds: {files}"
         )
     if spec.endswith(_SUFFIXES) or spec.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"dataset file or folder {spec!r} does not exist (cwd: {os.getcwd()})")
+        raise UsageError(f"dataset file or folder {spec!r} does not exist (cwd: {os.getcwd()})")
 
     try:
         import datasets
 
         ds = datasets.load_dataset(spec, config, split=split)
     except Exception as e:
-        raise ValueError(
+        raise UsageError(
             f"dataset {spec!r} is not a local file or folder, and loading it from the Hugging Face hub "
             f"(datasets.load_dataset({spec!r}, {config!r}, split={split!r})) failed: {type(e).__name__}: {e}\n"
             f"Pass a local .jsonl or .parquet file, a folder holding {split}.jsonl, a hub dataset id "
@@ -144,14 +146,14 @@ def _read_file(path: str) -> Rows:
         if isinstance(data, dict):  # {"data": [...]} or similar: the single list-valued key
             lists = [v for v in data.values() if isinstance(v, list)]
             if len(lists) != 1:
-                raise ValueError(f"{path}: expected a list of objects, got an object with keys {list(data)}")
+                raise UsageError(f"{path}: expected a list of objects, got an object with keys {list(data)}")
             data = lists[0]
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-            raise ValueError(f"{path}: expected a list of objects (one per row)")
+            raise UsageError(f"{path}: expected a list of objects (one per row)")
         return Rows(data, path, "item")
     if path.endswith((".jsonl", ".jsonl.gz")):
         return _read_jsonl(path)
-    raise ValueError(f"{path}: unsupported file type; use .jsonl, .jsonl.gz, .json or .parquet")
+    raise UsageError(f"{path}: unsupported file type; use .jsonl, .jsonl.gz, .json or .parquet")
 
 
 def _utf8(data: bytes, path: str, lineno: int | None = None) -> str:
@@ -160,7 +162,7 @@ def _utf8(data: bytes, path: str, lineno: int | None = None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = lineno if lineno is not None else data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path} line {line} is not valid UTF-8 ({e.reason}: byte {data[e.start:e.start + 1]!r}); "
+        raise UsageError(f"{path} line {line} is not valid UTF-8 ({e.reason}: byte {data[e.start:e.start + 1]!r}); "
                          "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
@@ -176,9 +178,9 @@ def _read_jsonl(path: str) -> Rows:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {lineno} is not valid JSON: {e}") from None
+                raise UsageError(f"{path} line {lineno} is not valid JSON: {e}") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path} line {lineno} is not a JSON object: {line.strip()[:80]!r}")
+                raise UsageError(f"{path} line {lineno} is not a JSON object: {line.strip()[:80]!r}")
             rows.append(row)
             numbers.append(lineno)
     return Rows(rows, path, "line", numbers)
@@ -209,10 +211,10 @@ def load_splits(spec: str, train_split: str, eval_split: str | None, config: str
     single = is_file_spec(spec)
     train = read_rows(spec, train_split, config)
     if not len(train):
-        raise ValueError(f"{train.origin} has no rows: give a dataset with at least one row")
+        raise UsageError(f"{train.origin} has no rows: give a dataset with at least one row")
     if single or not eval_split or eval_split == train_split:
         if not 0 <= eval_fraction < 1:
-            raise ValueError(f"--eval-fraction {eval_fraction}: give a fraction in [0, 1) of the rows to hold out")
+            raise UsageError(f"--eval-fraction {eval_fraction}: give a fraction in [0, 1) of the rows to hold out")
         train, held = holdout_split(train, eval_fraction, seed)
         why = "a single file has no splits" if single else ("no --eval-split" if not eval_split else
                                                            "--eval-split is --train-split")
@@ -222,7 +224,7 @@ def load_splits(spec: str, train_split: str, eval_split: str | None, config: str
         return Splits(train, Rows([], spec), "none (not evaluating)")
     held = read_rows(spec, eval_split, config)
     if not len(held):
-        raise ValueError(f"{held.origin} has no rows: give an --eval-split with rows")
+        raise UsageError(f"{held.origin} has no rows: give an --eval-split with rows")
     return Splits(train, held, f"split {eval_split!r} of {spec} ({len(held)} rows)")
 
 
@@ -310,7 +312,7 @@ def make_arithmetic_rows(n: int, seed: int, exclude: set[str] | None = None,
     in `seed`; questions in `exclude` are skipped (used to keep the test split disjoint from train).
     """
     if unknown := set(kinds) - set(ARITH_KINDS):
-        raise ValueError(f"unknown arithmetic problem kinds {sorted(unknown)}; choose from {ARITH_KINDS}")
+        raise UsageError(f"unknown arithmetic problem kinds {sorted(unknown)}; choose from {ARITH_KINDS}")
     rng = random.Random(seed)
     seen = set(exclude or ())
     rows = []
@@ -323,7 +325,7 @@ def make_arithmetic_rows(n: int, seed: int, exclude: set[str] | None = None,
         seen.add(question)
         rows.append({"question": question, "answer": f"{work}\n#### {result}"})
     if len(rows) < n:
-        raise ValueError(f"could only generate {len(rows)} distinct arithmetic problems, asked for {n}")
+        raise UsageError(f"could only generate {len(rows)} distinct arithmetic problems, asked for {n}")
     return rows
 
 
@@ -389,9 +391,9 @@ def json_object(text: str, flag: str, what: str, example: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} {text!r} is not JSON ({e}): give a JSON object of {what}, e.g. {example}") from e
+        raise UsageError(f"{flag} {text!r} is not JSON ({e}): give a JSON object of {what}, e.g. {example}") from e
     if not isinstance(value, dict):
-        raise ValueError(f"{flag} {text!r} is a JSON {type(value).__name__}: give an object of {what}, e.g. {example}")
+        raise UsageError(f"{flag} {text!r} is a JSON {type(value).__name__}: give an object of {what}, e.g. {example}")
     return value
 
 
@@ -443,7 +445,7 @@ def build_prompts(
         fields = sorted(rows[0])
         for field, flag in ((prompt_field, "--prompt-field"), (answer_field, "--answer-field")):
             if field_value(rows[0], field) is _MISSING:
-                raise ValueError(f"field {field!r} is not in the dataset rows, which have fields {fields}; "
+                raise UsageError(f"field {field!r} is not in the dataset rows, which have fields {fields}; "
                                  f"pass {flag} <one of them> (a.b for a nested field)")
     use_template = chat_template and getattr(tokenizer, "chat_template", None) is not None
     texts, answers = [], []
@@ -451,11 +453,11 @@ def build_prompts(
         prompt, answer = field_value(row, prompt_field), field_value(row, answer_field)
         if prompt is _MISSING or answer is _MISSING:
             missing = prompt_field if prompt is _MISSING else answer_field
-            raise ValueError(f"{row_name(rows, i)} has no field {missing!r}; it has fields {sorted(row)}")
+            raise UsageError(f"{row_name(rows, i)} has no field {missing!r}; it has fields {sorted(row)}")
         for field, flag, problem in ((prompt_field, "--prompt-field", field_problem(prompt)),
                                      (answer_field, "--answer-field", "is null" if answer is None else "")):
             if problem:
-                raise ValueError(f"{row_name(rows, i)}: field {field!r} {problem}; fix or remove the row, or pass "
+                raise UsageError(f"{row_name(rows, i)}: field {field!r} {problem}; fix or remove the row, or pass "
                                  f"{flag} naming the field that holds it")
         if is_messages(prompt):  # a chat is the prompt as it is (as sft.py reads it): no instruction appended
             messages = [dict(m) for m in prompt]
@@ -467,7 +469,7 @@ def build_prompts(
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                  **(template_kwargs or {}))
         elif len(messages) > 1 and messages[0]["role"] != "system" or len(messages) > 2:
-            raise ValueError(f"{row_name(rows, i)}: --prompt-field {prompt_field!r} holds a conversation of "
+            raise UsageError(f"{row_name(rows, i)}: --prompt-field {prompt_field!r} holds a conversation of "
                              f"{len(messages)} messages, which needs a chat template to become one prompt; this "
                              f"tokenizer has none or --no-chat-template was given")
         else:
@@ -499,10 +501,10 @@ class PromptSampler:
 
     def __init__(self, examples: list[PromptExample], batch_size: int, seed: int, rank: int, world_size: int):
         if batch_size % world_size != 0:
-            raise ValueError(f"prompt batch size {batch_size} is not divisible by the number of ranks "
+            raise UsageError(f"prompt batch size {batch_size} is not divisible by the number of ranks "
                              f"{world_size}; change the prompts-per-step flag (batch size) or the GPU count")
         if batch_size > len(examples):
-            raise ValueError(f"prompt batch size {batch_size} is larger than the dataset ({len(examples)} "
+            raise UsageError(f"prompt batch size {batch_size} is larger than the dataset ({len(examples)} "
                              f"prompts after filtering); lower the prompts-per-step flag (batch size), "
                              f"raise --max-prompt-tokens, or use a larger dataset")
         self.examples = examples

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.errors import UsageError
+
 
 @dataclass
 class Dist:
@@ -52,7 +54,7 @@ def dist_timeout() -> datetime.timedelta:
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, a positive number "
+        raise UsageError(f"{TIMEOUT_ENV}={raw!r}: give the collective timeout in seconds, a positive number "
                          f"(default {DEFAULT_TIMEOUT_S})")
     return datetime.timedelta(seconds=seconds)
 
@@ -74,7 +76,7 @@ def init_distributed(device: str = "auto") -> Dist:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was asked for but no GPU is visible; use --device cpu")
+            raise UsageError("--device cuda was asked for but no GPU is visible; use --device cpu")
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
@@ -240,5 +242,6 @@ def broadcast_object(obj, src: int = 0):
 
 
 def rank() -> int:
-    """This process's rank in the default group (0 before init_distributed, or as plain python)."""
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's rank: in the default group, else torchrun's RANK (before init_distributed and after cleanup,
+    so a rank's last lines still name it), else 0 (plain python)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))

@@ -33,6 +33,7 @@ from dataclasses import replace
 import torch
 import torch.multiprocessing as mp
 
+from common.errors import UsageError
 from common.rollout import Rollout
 from common.vllm_engine import DTYPES, bucket_by_bytes, extra_llm_kwargs
 
@@ -45,13 +46,13 @@ def check_engine_args(vllm_args) -> None:
     they would do nothing. --vllm.llm-kwargs is read here too, so a bad one stops the run before any engine starts."""
     extra_llm_kwargs(vllm_args.llm_kwargs)
     if vllm_args.num_engines < 0:
-        raise ValueError(f"--vllm.num-engines {vllm_args.num_engines}: give a count of engines per rank, or 0 to pick "
+        raise UsageError(f"--vllm.num-engines {vllm_args.num_engines}: give a count of engines per rank, or 0 to pick "
                          f"it from the model and the GPU (auto)")
     if vllm_args.engine_gpu != -1 and not vllm_args.own_process:
-        raise ValueError(f"--vllm.engine-gpu {vllm_args.engine_gpu} places the engine's own process: add "
+        raise UsageError(f"--vllm.engine-gpu {vllm_args.engine_gpu} places the engine's own process: add "
                          f"--vllm.own-process, or drop --vllm.engine-gpu (the engine then runs in the rank's process)")
     if vllm_args.num_engines not in (0, 1) and not vllm_args.own_process:
-        raise ValueError(f"--vllm.num-engines {vllm_args.num_engines} runs engines in processes of their own: add "
+        raise UsageError(f"--vllm.num-engines {vllm_args.num_engines} runs engines in processes of their own: add "
                          f"--vllm.own-process, or drop --vllm.num-engines (one engine in the rank's process)")
 
 
@@ -118,7 +119,7 @@ def child_gpu(engine_gpu: int, device_index: int) -> int | None:
     count = torch.cuda.device_count()
     index = device_index if engine_gpu < 0 else engine_gpu
     if not 0 <= index < count:
-        raise ValueError(f"--vllm.engine-gpu {engine_gpu}: this rank sees {count} GPU(s); give an index below "
+        raise UsageError(f"--vllm.engine-gpu {engine_gpu}: this rank sees {count} GPU(s); give an index below "
                          f"{count}, or -1 for the rank's own GPU")
     return index
 
@@ -226,11 +227,11 @@ class EngineProcess:
     def __init__(self, kind: str, model_path: str, vllm_args, max_model_len: int, seed: int, pad_token_id: int,
                  stop_ids: list[int], gpu: int | None):
         if vllm_args.tensor_parallel_size > 1:
-            raise ValueError("--vllm.own-process runs one engine per rank in a world of its own: it takes no "
+            raise UsageError("--vllm.own-process runs one engine per rank in a world of its own: it takes no "
                              "--vllm.tensor-parallel-size > 1 (add --vllm.no-own-process; grpo_async.py has it on)")
         n = vllm_args.num_engines
         if n < 1 or n > vllm_args.max_num_seqs:
-            raise ValueError(f"--vllm.num-engines {n}: give 1 to {vllm_args.max_num_seqs} (--vllm.max-num-seqs "
+            raise UsageError(f"--vllm.num-engines {n}: give 1 to {vllm_args.max_num_seqs} (--vllm.max-num-seqs "
                              f"is split between the engines)")
         self.args, self.timings, self.weights_discarded, self.asleep = vllm_args, {}, False, False
         self._profile = None  # profile_next's path, for the next generate

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.errors import UsageError
 from common.rewards import RewardTimeout, _call_with_timeout, _short, import_callable
 from common.rollout import Episodes, Rollout
 
@@ -66,11 +67,11 @@ def load_env(spec: str):
     if spec in BUILTIN_ENVS:
         return BUILTIN_ENVS[spec]()
     if ":" not in spec:
-        raise ValueError(f"--env {spec}: expected one of {sorted(BUILTIN_ENVS)} or 'pkg.module:Name'")
+        raise UsageError(f"--env {spec}: expected one of {sorted(BUILTIN_ENVS)} or 'pkg.module:Name'")
     factory = import_callable(spec, "--env", "class or function")
     env = factory()
     if not callable(getattr(env, "step", None)):
-        raise ValueError(f"--env {spec}: {spec.replace(':', '.')}() gave a {type(env).__name__} without a step(ids, "
+        raise UsageError(f"--env {spec}: {spec.replace(':', '.')}() gave a {type(env).__name__} without a step(ids, "
                          f"text, state) method (docs/multiturn.md)")
     return env
 
@@ -81,16 +82,16 @@ def make_env(args, tok) -> EnvRunner | None:
     if not args.env:
         return None
     if args.max_turns < 1:
-        raise ValueError(f"--max-turns {args.max_turns}: an episode needs at least one model turn")
+        raise UsageError(f"--max-turns {args.max_turns}: an episode needs at least one model turn")
     if args.response_width < args.max_new_tokens:
-        raise ValueError(f"--max-episode-tokens {args.max_episode_tokens} is below --max-new-tokens "
+        raise UsageError(f"--max-episode-tokens {args.max_episode_tokens} is below --max-new-tokens "
                          f"{args.max_new_tokens}: one turn alone would not fit; raise it (0: max_turns x "
                          f"max_new_tokens)")
     if getattr(args, "overlong", "none") == "soft":  # grpo.py's DAPO penalty counts from --max-new-tokens
-        raise ValueError("--overlong soft with --env: an episode is longer than one turn's --max-new-tokens; use "
+        raise UsageError("--overlong soft with --env: an episode is longer than one turn's --max-new-tokens; use "
                          "--overlong penalty or mask (truncated episodes) or none")
     if args.rollout != "hf" and args.vllm.tensor_parallel_size > 1:  # every TP rank must call generate alike
-        raise ValueError("--env with --vllm.tensor-parallel-size > 1: the ranks of one engine would run different "
+        raise UsageError("--env with --vllm.tensor-parallel-size > 1: the ranks of one engine would run different "
                          "numbers of turns; use tensor-parallel size 1 (data parallel) for multi-turn rollouts")
     return EnvRunner(load_env(args.env), tok, args.max_turns, args.response_width, args.reward_timeout or None,
                      args.env)

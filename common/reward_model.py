@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from common import dist as D
 from common.attention import attn_kwargs
+from common.errors import UsageError
 from common.models import check_attention, load_tokenizer
 from common.packing import MicroBatch, pack, plan_microbatches
 from common.rewards import RunningNorm
@@ -34,11 +35,11 @@ SENTINEL = "\x00RM-USER-TURN\x00"  # stands for the user's text when a chat temp
 def _check_head(config, path: str) -> None:
     archs = list(getattr(config, "architectures", None) or [])
     if not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise ValueError(f"--reward-model {path}: not a sequence classifier (its config.json lists architectures "
+        raise UsageError(f"--reward-model {path}: not a sequence classifier (its config.json lists architectures "
                          f"{archs or 'none'}, not *ForSequenceClassification). Train one with rm.py (--export-hf DIR) "
                          "and pass DIR, or pass an HF reward model with a scalar head (num_labels=1)")
     if config.num_labels != 1:
-        raise ValueError(f"--reward-model {path}: the score head has {config.num_labels} labels "
+        raise UsageError(f"--reward-model {path}: the score head has {config.num_labels} labels "
                          f"({list(config.id2label.values())}); a reward model has exactly one (num_labels=1, a scalar)")
 
 
@@ -58,7 +59,7 @@ def init_reward_model(path: str, tok, attn_impl: str = "sdpa") -> nn.Module:
     clf.config.use_cache = False
     check_attention(clf.config, attn_impl)
     if not hasattr(clf, "score"):
-        raise ValueError(f"--model {path}: {type(clf).__name__} has no `score` head; rm.py reads the scalar head of "
+        raise UsageError(f"--model {path}: {type(clf).__name__} has no `score` head; rm.py reads the scalar head of "
                          "decoder models (Llama, Qwen2, Mistral, ...) at .score")
     return clf
 
@@ -72,11 +73,11 @@ def load_reward_model(path: str, attn_impl: str = "sdpa") -> nn.Module:
                                                                    attn_implementation=attn_impl)
     check_attention(clf.config, attn_impl)
     if not hasattr(clf, "score"):
-        raise ValueError(f"--reward-model {path}: {type(clf).__name__} has no `score` head (decoder reward models "
+        raise UsageError(f"--reward-model {path}: {type(clf).__name__} has no `score` head (decoder reward models "
                          "keep their scalar head at .score)")
     head = [k for k in info.get("missing_keys", []) if k.split(".")[0] == "score"]
     if head:
-        raise ValueError(f"--reward-model {path}: the checkpoint has no weights for the score head ({head} missing), "
+        raise UsageError(f"--reward-model {path}: the checkpoint has no weights for the score head ({head} missing), "
                          "so it would score with a random head. It is a backbone, not a trained reward model: train "
                          "the head with rm.py first")
     clf.config.use_cache = False
@@ -161,7 +162,7 @@ class RewardScorer:
         self.tok = load_tokenizer(path) if (Path(path) / "tokenizer_config.json").exists() or not Path(path).exists() \
             else None
         if self.tok is None:
-            raise ValueError(f"--reward-model {path}: the folder has no tokenizer (tokenizer_config.json); save the "
+            raise UsageError(f"--reward-model {path}: the folder has no tokenizer (tokenizer_config.json); save the "
                              "reward model's tokenizer with it (rm.py's --export-hf does)")
         self.retokenize = not same_tokenizer(policy_tok, self.tok)
         clf = load_reward_model(path, attn_impl)
@@ -254,11 +255,11 @@ def rollout_reward_model(args, tok, d) -> RolloutRewardModel | None:
     from common.rl_setup import resolve_model_once
     if not args.reward_model:
         if args.rule_coef != 1.0 or args.reward_norm:
-            raise ValueError("--rule-coef and --reward-norm weigh and normalise a --reward-model's score: pass "
+            raise UsageError("--rule-coef and --reward-norm weigh and normalise a --reward-model's score: pass "
                              "--reward-model, or drop them")
         return None
     if not (args.rule_coef >= 0 and args.reward_model_coef >= 0):
-        raise ValueError(f"--rule-coef {args.rule_coef} and --reward-model-coef {args.reward_model_coef}: must be >= 0")
+        raise UsageError(f"--rule-coef {args.rule_coef} and --reward-model-coef {args.reward_model_coef}: must be >= 0")
     path = resolve_model_once(args.reward_model, d.is_main)
     scorer = RewardScorer(path, tok, d.device, args.forward_token_budget, attn_impl=args.attn_impl)
     if d.is_main:

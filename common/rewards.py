@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
+from common.errors import UsageError
+
 RewardFn = Callable[[str, str, str], float]
 
 # 1,234 | 1234 | -3.5 | 1/2 (comma groups only of three digits, so "3, 4" is two numbers)
@@ -167,7 +169,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     if spec in _BUILTINS:
         return _BUILTINS[spec]
     if ":" not in spec:
-        raise ValueError(f"--reward-fn {spec}: expected one of {sorted(_BUILTINS)} or 'pkg.module:function'")
+        raise UsageError(f"--reward-fn {spec}: expected one of {sorted(_BUILTINS)} or 'pkg.module:function'")
     return import_callable(spec, "--reward-fn", "function")
 
 
@@ -181,14 +183,14 @@ def import_callable(spec: str, flag: str, kind: str):
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(f"{flag} {spec}: cannot import module {module_name!r} ({e}); "
+            raise UsageError(f"{flag} {spec}: cannot import module {module_name!r} ({e}); "
                              f"run from the folder that holds it or put it on PYTHONPATH") from e
         raise  # the module exists but one of its own imports failed: show that error as is
     if not hasattr(module, attr):
-        raise ValueError(f"{flag} {spec}: module {module_name!r} has no attribute {attr!r} (a {kind})")
+        raise UsageError(f"{flag} {spec}: module {module_name!r} has no attribute {attr!r} (a {kind})")
     fn = getattr(module, attr)
     if not callable(fn):
-        raise ValueError(f"{flag} {spec}: {module_name}.{attr} is a {type(fn).__name__}, not callable (a {kind})")
+        raise UsageError(f"{flag} {spec}: {module_name}.{attr} is a {type(fn).__name__}, not callable (a {kind})")
     return fn
 
 
@@ -246,12 +248,12 @@ class PooledReward:
 
     def __init__(self, fn: RewardFn, workers: int):
         if getattr(fn, "batched", False):
-            raise ValueError("--reward-workers is for per-sample reward functions; a @batched function gets the "
+            raise UsageError("--reward-workers is for per-sample reward functions; a @batched function gets the "
                              "whole batch and can parallelise itself: drop --reward-workers")
         try:
             pickle.dumps(fn)
         except Exception as e:
-            raise ValueError(f"--reward-workers {workers}: the reward function {fn!r} cannot be sent to a worker "
+            raise UsageError(f"--reward-workers {workers}: the reward function {fn!r} cannot be sent to a worker "
                              f"process ({type(e).__name__}: {e}); make it a module-level def") from None
         self.fn, self.workers = fn, workers
         # forkserver: workers fork from a clean server process, not from the trainer (its threads, CUDA, vLLM)
@@ -275,7 +277,7 @@ class PooledReward:
 def with_workers(fn: RewardFn, workers: int) -> RewardFn:
     """fn itself (workers 0), or fn scored in a pool of `workers` processes (PooledReward)."""
     if workers < 0:
-        raise ValueError(f"--reward-workers {workers}: must be >= 0 (0: score on the main thread)")
+        raise UsageError(f"--reward-workers {workers}: must be >= 0 (0: score on the main thread)")
     return PooledReward(fn, workers) if workers else fn
 
 
@@ -308,7 +310,7 @@ def _check_batch(fn, prompts, completions, answers, timeout_s) -> list[tuple[flo
     except Exception as e:
         return [(0.0, f"batched call raised {type(e).__name__}: {e}", False)] * n
     if not hasattr(out, "__len__") or len(out) != n:
-        raise ValueError(f"batched reward fn {getattr(fn, '__qualname__', fn)} returned "
+        raise UsageError(f"batched reward fn {getattr(fn, '__qualname__', fn)} returned "
                          f"{len(out) if hasattr(out, '__len__') else type(out).__name__} values for {n} samples; "
                          "return one number per sample, in order")
     return [_checked(r) for r in out]

@@ -8,12 +8,15 @@ from pathlib import Path
 import torch
 
 from common import checkpoint as C
+from common import dist as D
 from common import lora
 from common.attention import describe
 from common.data import build_prompts, chat_template_kwargs, load_splits
 from common.engine_process import EngineProcess, check_engine_args, child_gpu, placement, resolve_num_engines
 from common.env import make_env
+from common.errors import UsageError
 from common.fsdp import copy_params, place_frozen, shard
+from common.lifecycle import plan_run
 from common.membudget import resolve_microbatch  # noqa: F401  the scripts' one lazy setup step (at the first update)
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.passes import sequence_logprobs
@@ -32,40 +35,42 @@ def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
     to change. sizes: the script's own (field, least value) pairs, checked with SIZES."""
     for name, least in SIZES + tuple(sizes):
         if not getattr(args, name) >= least:  # `not >=`: NaN fails too
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
     if args.loss_agg not in ("token-mean", "seq-mean-token-sum-norm", "seq-mean-token-mean", "seq-mean-token-sum-verl",
                              "seq-mean-token-sum"):
-        raise ValueError(f"--loss-agg {args.loss_agg!r}: use token-mean, seq-mean-token-sum-norm, seq-mean-token-mean "
+        raise UsageError(f"--loss-agg {args.loss_agg!r}: use token-mean, seq-mean-token-sum-norm, seq-mean-token-mean "
                          "or seq-mean-token-sum-verl")
     if args.loss_agg == "seq-mean-token-sum" and os.environ.get("RANK", "0") == "0":  # the old name keeps its meaning
         print("--loss-agg seq-mean-token-sum is deprecated: it still means seq-mean-token-sum-norm (each sequence's "
               "token sum / --max-new-tokens, Dr. GRPO), so this run is unchanged; write seq-mean-token-sum-norm. "
               "verl's seq-mean-token-sum (the token sum, no division) is --loss-agg seq-mean-token-sum-verl", flush=True)
+    if getattr(args, "kl_estimator", "k3") not in ("k1", "k2", "k3", "k1+", "k3+", "abs"):  # Args built in code
+        raise UsageError(f"--kl-estimator {args.kl_estimator!r}: use k1, k2 or k3, or k1+, k3+, abs")
     if args.dual_clip_c and not args.dual_clip_c > 1:
-        raise ValueError(f"--dual-clip-c {args.dual_clip_c}: use 0 (off) or a bound c > 1 (verl's default is 3.0)")
+        raise UsageError(f"--dual-clip-c {args.dual_clip_c}: use 0 (off) or a bound c > 1 (verl's default is 3.0)")
     if (args.kl_target > 0 or getattr(args, "kl_in_reward", False)) and not args.kl_coef > 0:
-        raise ValueError("--kl-target and --kl-in-reward need a --kl-coef > 0 (the controller scales it; 0 stays 0, "
+        raise UsageError("--kl-target and --kl-in-reward need a --kl-coef > 0 (the controller scales it; 0 stays 0, "
                          "and kl_coef 0 loads no reference model)")
     if getattr(args, "dynamic_sampling_max_rounds", 1) > 1 and not args.dynamic_sampling:
-        raise ValueError("--dynamic-sampling-max-rounds > 1 re-samples only with --dynamic-sampling: add it, or drop it")
+        raise UsageError("--dynamic-sampling-max-rounds > 1 re-samples only with --dynamic-sampling: add it, or drop it")
     if args.prompts_per_step % world_size:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
+        raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
                          f"({world_size}): each rank generates for its share of the prompts")
     if args.sequences_per_step % args.num_minibatches or args.sequences_per_minibatch < world_size:
-        raise ValueError(f"--num-minibatches {args.num_minibatches} must divide the {args.sequences_per_step} "
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide the {args.sequences_per_step} "
                          f"sequences per step into mini-batches of at least {world_size} (one per rank)")
     if args.engine_logprobs_every < 0:
-        raise ValueError(f"--engine-logprobs-every {args.engine_logprobs_every}: give k >= 0 (0: never, 1: every step)")
+        raise UsageError(f"--engine-logprobs-every {args.engine_logprobs_every}: give k >= 0 (0: never, 1: every step)")
     if not args.temperature > 0:
-        raise ValueError(f"--temperature {args.temperature}: training samples and scores log-probs at this temperature, "
+        raise UsageError(f"--temperature {args.temperature}: training samples and scores log-probs at this temperature, "
                          "so it must be > 0 (evaluation is already greedy)")
     longest = args.longest_sequence
     if 0 < args.max_tokens_per_microbatch < longest:  # 0 (auto) is sized at the first update, at least `longest`
-        raise ValueError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
+        raise UsageError(f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} is smaller than one "
                          f"sequence (--max-prompt-tokens + {'--max-episode-tokens' if args.env else '--max-new-tokens'}"
                          f" = {longest}); raise it")
     if args.max_tokens_per_forward and args.forward_token_budget < longest:
-        raise ValueError(f"--max-tokens-per-forward {args.max_tokens_per_forward} is smaller than one sequence "
+        raise UsageError(f"--max-tokens-per-forward {args.max_tokens_per_forward} is smaller than one sequence "
                          f"({longest} tokens); raise it, or 0 for the default")
 
 
@@ -95,14 +100,16 @@ def load_prompt_splits(args, tok, rank: int, world_size: int):
         return build_prompts(rows, tok, args.prompt_field, args.answer_field, args.instruction,
                              args.max_prompt_tokens, args.chat_template, args.system_prompt,
                              chat_template_kwargs(args.chat_template_kwargs))
+    evaluating = args.eval_every or not args.num_steps  # --num-steps 0: an evaluation alone
     splits = load_splits(args.dataset, args.train_split, args.eval_split, args.dataset_config, args.eval_fraction,
-                         args.seed, need_eval=args.eval_every > 0)
+                         args.seed, need_eval=evaluating)
     train, dropped = prompts_of(splits.train)
-    if args.eval_every and not len(splits.eval):
-        raise ValueError(f"--eval-every {args.eval_every} evaluates held-out prompts, but none are held out of "
-                         f"{args.dataset} (--eval-fraction {args.eval_fraction}; rows are held out only while others "
-                         "are left to train on): raise --eval-fraction, add rows, or pass --eval-every 0")
-    evals = prompts_of(splits.eval[:args.eval_size])[0][rank::world_size] if args.eval_every else []
+    if evaluating and not len(splits.eval):
+        raise UsageError(f"the run evaluates held-out prompts (--eval-every {args.eval_every}, --num-steps "
+                         f"{args.num_steps}), but none are held out of {args.dataset} (--eval-fraction "
+                         f"{args.eval_fraction}; rows are held out only while others are left to train on): raise "
+                         "--eval-fraction, add rows, or pass --eval-every 0")
+    evals = prompts_of(splits.eval[:args.eval_size])[0][rank::world_size] if evaluating else []
     return train, dropped, evals, splits.note
 
 
@@ -151,7 +158,7 @@ class BehaviourPolicy:
 
     def __init__(self, args, model_path: str, device):
         if args.lora.rank:
-            raise ValueError("--behaviour-logp trainer keeps a second copy of the whole policy: not with LoRA "
+            raise UsageError("--behaviour-logp trainer keeps a second copy of the whole policy: not with LoRA "
                              "(--lora.rank > 0); use --behaviour-logp engine")
         lm = load_causal_lm(model_path, args.attn_impl, trainable=False)
         self.model = shard(lm, args.fsdp, device,
@@ -192,10 +199,12 @@ def rollout_engine(args, kind: str, model_path: str, lm, d, tok, stop_ids):
                         stop_token_ids=stop_ids, ignore_eos=args.ignore_eos), make_env(args, tok)
 
 
-def resume_run(resume: str | None, ckpt_root: Path, state: dict, sampler, kl_coef: float):
+def resume_run(args, ckpt_root: Path, state: dict, sampler):
     """--resume: load models, optimisers, LR schedules, RNG and the data position into `state` and `sampler`, exactly
-    as they were. Returns (the step to start at, the checkpoint or None, the adaptive KL coefficient)."""
-    resume_from = C.resolve_resume(resume, ckpt_root)
+    as they were (a run already past --num-steps exits 0 first: plan_run). Returns (the step to start at, the
+    checkpoint or None, the adaptive KL coefficient)."""
+    resume_from, kl_coef = C.resolve_resume(args.resume, ckpt_root), args.kl_coef
+    plan_run(resume_from, args.num_steps, D.rank() == 0)  # --num-steps 0: an evaluation; nothing to do: exit 0
     if not resume_from:
         return 0, None, kl_coef
     extra = C.load_checkpoint(resume_from, state)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from common import dist as D
 from common.checkpoint import export_dir_problem
+from common.errors import UsageError
 
 
-class RunDirError(RuntimeError):
+class RunDirError(UsageError, RuntimeError):
     """The run folder is held by another run, or holds an earlier run that this one would overwrite."""
 
 
@@ -79,7 +80,7 @@ def claim_run_dir(run_dir: Path, resume: str, overwrite: bool, export_hf: str = 
     a ValueError on every rank."""
     problem = export_dir_problem(export_hf, run_dir) if export_hf and D.rank() == 0 else ""
     if problem := D.broadcast_object(problem):
-        raise ValueError(problem)
+        raise UsageError(problem)
     error = ""
     if D.rank() == 0:
         run_dir = Path(run_dir)

@@ -16,28 +16,35 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 
 from common import dist as D
 
 STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: a run stopped by a signal (checkpoint written) is not a finished one
+REPEAT_S = 10.0  # a SIGTERM this soon after the first is the same request, not "stop now" (see install_stop_handler)
 
 
 class StopFlag:
     requested: bool = False  # a signal reached this rank
     stopped: bool = False  # stop_agreed() returned True: every rank stops after this step
+    at: float = 0.0  # time.monotonic() of the first signal
 
 
 def install_stop_handler() -> StopFlag:
     """SIGTERM / SIGINT set flag.requested, so the loop can finish its step, checkpoint and exit; a second signal
-    stops at once. torchrun forwards SIGTERM to every worker and kills them ~30 s later: the save must fit."""
+    stops at once. torchrun forwards SIGTERM to every worker and kills them ~30 s later: the save must fit. A SIGTERM
+    within REPEAT_S of the first is the same request arriving twice (Slurm signals every process of a job step, and
+    torchrun or runs/torchrun_node.sh forward it again), not a second one."""
     flag = StopFlag()
 
     def handler(signum, frame):
+        if flag.requested and signum == signal.SIGTERM and time.monotonic() - flag.at < REPEAT_S:
+            return
         if flag.requested:  # second Ctrl-C: give up on the clean stop
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        flag.requested = True
+        flag.requested, flag.at = True, time.monotonic()
         print(f"[rank {D.rank()}] {signal.Signals(signum).name}: stopping after this step "
               "(checkpoint, then exit); send it again to stop now", flush=True)
 

@@ -52,6 +52,47 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+SEGMENT_VOLATILE = ("argv", "resume", "resumed_from", "time")  # differ at every resume: not reported as changes
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """"name old -> new" for each setting in both configs whose value differs (nested ones as fsdp.x)."""
+    out = []
+    for k in new:
+        if k not in old or k in SEGMENT_VOLATILE:
+            continue
+        a, b = old[k], json.loads(json.dumps(new[k], default=str))  # as config.json holds it (tuples as lists)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k} {a!r} -> {b!r}")
+    return out
+
+
+def keep_segments(run_dir: Path, config: dict, resume: bool) -> None:
+    """Each segment of a resumed run keeps its settings: config.json and git.diff are the latest segment's, and a
+    resume first moves the previous ones to config.N.json and git.N.diff (N = 1 for the first segment), then prints
+    the settings that changed. A fresh start (--overwrite) removes the numbered ones of the run it replaces."""
+    numbered = sorted(run_dir.glob("config.[0-9]*.json")) + sorted(run_dir.glob("git.[0-9]*.diff"))
+    if not resume:
+        for p in numbered:
+            p.unlink()
+        return
+    last = run_dir / "config.json"
+    if not last.is_file():
+        return
+    n = 1 + max([int(p.name.split(".")[1]) for p in numbered if p.name.split(".")[1].isdigit()], default=0)
+    try:
+        changes = config_changes(json.loads(last.read_text()), config)
+    except ValueError:
+        changes = ["(the previous config.json is not valid JSON)"]
+    last.rename(run_dir / f"config.{n}.json")
+    if (run_dir / "git.diff").is_file():
+        (run_dir / "git.diff").rename(run_dir / f"git.{n}.diff")
+    print(f"resuming with {'changed settings: ' + '; '.join(changes) if changes else 'the same settings'} "
+          f"(segment {n}'s are in config.{n}.json)", flush=True)
+
+
 class NullTracker:
     """What non-zero ranks (and nothing else) get: same methods, does nothing."""
     run_dir: Path | None = None
@@ -69,9 +110,10 @@ class Tracker(NullTracker):
         repo = Path(__file__).resolve().parent.parent
         git = git_state(repo)
         config = {**config, "git_sha": git["sha"], "argv": sys.argv}
+        resume = resume_step is not None
+        keep_segments(self.run_dir, config, resume)  # a resumed run keeps the earlier segments' config and diff
         (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         (self.run_dir / "git.diff").write_text(git["diff"])
-        resume = resume_step is not None
         if resume:  # drop what the killed run logged after its checkpoint, so every step appears exactly once
             for name_ in ("metrics.jsonl", "samples.jsonl"):
                 path = self.run_dir / name_

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from common.data import json_object
 from common.dist import all_gather_objects, bind_cpus
+from common.errors import UsageError
 from common.rollout import Rollout
 from common.tracking import count_engine_pool
 
@@ -127,7 +128,7 @@ def extra_llm_kwargs(text: str) -> dict:
     clash = sorted(set(extra) & set(LLM_KWARGS_OWN))
     if clash:
         flags = [f"--vllm.{k.replace('_', '-')}" for k in clash if k in VLLMArgs.__dataclass_fields__]
-        raise ValueError(f"--vllm.llm-kwargs sets {clash}, which the engine sets itself"
+        raise UsageError(f"--vllm.llm-kwargs sets {clash}, which the engine sets itself"
                          + (f": use {', '.join(flags)} instead" if flags else " (docs/vllm.md)"))
     return extra
 
@@ -140,17 +141,17 @@ def check_memory_budget(total_bytes: int, free_bytes: int, gpu_memory_utilizatio
     trainer keeps `training_bytes_estimate` resident (weights, optimiser state) while vLLM is awake.
     """
     if not 0.0 < gpu_memory_utilization < 1.0:
-        raise ValueError(f"--vllm.gpu-memory-utilization must be in (0, 1), got {gpu_memory_utilization}")
+        raise UsageError(f"--vllm.gpu-memory-utilization must be in (0, 1), got {gpu_memory_utilization}")
     want = int(gpu_memory_utilization * total_bytes)
     if want > free_bytes:
-        raise ValueError(
+        raise UsageError(
             f"vLLM asks for {want / GiB:.1f} GiB (--vllm.gpu-memory-utilization {gpu_memory_utilization} of "
             f"{total_bytes / GiB:.1f} GiB) but only {free_bytes / GiB:.1f} GiB is free (training already holds "
             f"{training_bytes_estimate / GiB:.1f} GiB): lower --vllm.gpu-memory-utilization to at most "
             f"{max(free_bytes - GiB, 0) / total_bytes:.2f}, or offload training state (--fsdp.cpu-offload)")
     left = total_bytes - want - training_bytes_estimate
     if left < 0:
-        raise ValueError(
+        raise UsageError(
             f"--vllm.gpu-memory-utilization {gpu_memory_utilization} ({want / GiB:.1f} GiB) plus the "
             f"{training_bytes_estimate / GiB:.1f} GiB training keeps resident exceed the GPU's "
             f"{total_bytes / GiB:.1f} GiB: lower --vllm.gpu-memory-utilization (or --vllm.max-num-seqs / "
@@ -319,15 +320,15 @@ def tp_layout(rank: int, world_size: int, tp: int, local_world_size: int | None 
     must be on one host.
     """
     if tp < 1 or world_size % tp:
-        raise ValueError(f"--vllm.tensor-parallel-size {tp} must divide the number of ranks ({world_size})")
+        raise UsageError(f"--vllm.tensor-parallel-size {tp} must divide the number of ranks ({world_size})")
     if local_world_size is not None and local_world_size % tp:
-        raise ValueError(f"--vllm.tensor-parallel-size {tp} must divide the GPUs per node ({local_world_size}, "
+        raise UsageError(f"--vllm.tensor-parallel-size {tp} must divide the GPUs per node ({local_world_size}, "
                          f"torchrun's --nproc_per_node): an engine's ranks must share a node, tensor parallelism "
                          f"never spans nodes; use a tensor-parallel size that divides {local_world_size}")
     first = rank // tp * tp
     ranks = list(range(first, first + tp))
     if hosts is not None and len({hosts[r] for r in ranks}) > 1:
-        raise ValueError(f"--vllm.tensor-parallel-size {tp}: the engine of ranks {ranks} would span the hosts "
+        raise UsageError(f"--vllm.tensor-parallel-size {tp}: the engine of ranks {ranks} would span the hosts "
                          f"{sorted({hosts[r] for r in ranks})}; torchrun numbers one node's ranks consecutively, so "
                          f"every node must run the same --nproc_per_node, a multiple of {tp}")
     return rank // tp, world_size // tp, rank % tp, ranks
@@ -387,7 +388,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, args: VLLMArgs, max_model_len: int, seed: int,
                  training_bytes_estimate: int | None = None):
         if args.sleep_level not in (0, 1, 2):
-            raise ValueError(f"--vllm.sleep-level must be 0 (stay resident), 1 (weights to CPU) or 2 (discard "
+            raise UsageError(f"--vllm.sleep-level must be 0 (stay resident), 1 (weights to CPU) or 2 (discard "
                              f"them), got {args.sleep_level}")
         vllm = _import_vllm()
         if not torch.cuda.is_available():
@@ -491,7 +492,7 @@ class VLLMEngine:
         prompts = [[int(t) for t in p] for p in prompt_ids]
         too_long = [len(p) for p in prompts if len(p) >= self.max_model_len]
         if too_long:
-            raise ValueError(f"{len(too_long)} prompts of up to {max(too_long)} tokens leave no room under "
+            raise UsageError(f"{len(too_long)} prompts of up to {max(too_long)} tokens leave no room under "
                              f"max_model_len {self.max_model_len}: filter long prompts or raise --vllm.max-model-len")
         lo, hi = 0, len(prompts)
         if self._tp_group is not None:  # every rank of the engine submits the union, then keeps its own slice

@@ -24,7 +24,8 @@ def _fake_checkpoint(root: Path, step: int, complete: bool = True, tmp: bool = F
     p.mkdir(parents=True)
     (p / "extra.json").write_text(json.dumps({"step": step}))
     if complete:
-        (p / C.COMPLETE).write_text(json.dumps({"step": step, "world_size": 1}))
+        files = {"extra.json": (p / "extra.json").stat().st_size}  # the manifest's file list: extra.json alone
+        (p / C.COMPLETE).write_text(json.dumps({"step": step, "world_size": 1, "files": files}))
     return p
 
 

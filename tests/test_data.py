@@ -4,6 +4,7 @@ import re
 import pytest
 
 import common.data as data
+from common.errors import UsageError
 from common.data import (
     DEFAULT_INSTRUCTION,
     PromptExample,
@@ -51,12 +52,12 @@ def test_load_rows_parquet_json_and_folder(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows[3:]), folder / "test.parquet")
     assert load_rows(str(folder), "train") == rows[:3]
     assert load_rows(str(folder), "test") == rows[3:]
-    with pytest.raises(FileNotFoundError, match=r"no file for split 'validation'.*test\.parquet.*train\.jsonl"):
+    with pytest.raises(UsageError, match=r"no file for split 'validation'.*test\.parquet.*train\.jsonl"):
         load_rows(str(folder), "validation")
 
 
 def test_load_rows_unknown_spec(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(UsageError, match="does not exist"):
         load_rows(str(tmp_path / "missing.jsonl"), "train")
 
     import datasets

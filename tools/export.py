@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from common.checkpoint import export_dir_problem, export_hf, load_for_export
+from common.errors import UsageError, user_errors
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> Path:
     checkpoint = Path(a.checkpoint)
     run_dir = checkpoint.resolve().parent.parent if checkpoint.resolve().parent.name == "checkpoints" else None
     if problem := export_dir_problem(a.out, run_dir, flag="--out"):  # before reading anything
-        raise ValueError(problem)
+        raise UsageError(problem)
     from transformers import AutoTokenizer
 
     from common.models import resolve_model
@@ -47,8 +48,5 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    try:
+    with user_errors():  # a bad checkpoint or --model: one line, exit 2 (common/errors.py)
         main()
-    except ValueError as e:  # a refused --out: one line, no traceback, exit 2
-        print(f"python -m tools.export: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -14,6 +14,7 @@ import tyro
 
 from common import dist as D
 from common.data import DEFAULT_INSTRUCTION, build_prompts, field_value, is_messages, load_rows
+from common.errors import user_errors
 from common.models import eos_token_ids, load_tokenizer, resolve_model
 from common.preference import pairs_from_samples
 from common.rewards import load_reward_fn, score
@@ -94,4 +95,5 @@ def make_pairs(args: MakePairsArgs) -> int:
 
 
 if __name__ == "__main__":
-    make_pairs(tyro.cli(MakePairsArgs))
+    with user_errors():  # a bad flag, file or row: one line, exit 2 (common/errors.py)
+        make_pairs(tyro.cli(MakePairsArgs))

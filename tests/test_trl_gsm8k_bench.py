@@ -57,7 +57,7 @@ def test_rendered_prompts_tokenise_to_grpos_ids(monkeypatch, tmp_path, tokenizer
     the text (its line for text prompts): the same ids, on all prompts of the run in grpo.py's order."""
     gsm8k_folder(tmp_path)
     args = recipe_args(monkeypatch, tmp_path, "--prompts-per-step", "4", "--num-steps", "5")
-    train, dropped, _ = load_prompt_splits(args, tokenizer, 0, 1)
+    train, dropped, _, _ = load_prompt_splits(args, tokenizer, 0, 1)
     assert len(train) == len(QUESTIONS) and dropped == 0
     assert train[0].prompt_text.startswith("<|im_start|>") and args.instruction in train[0].prompt_text
     rows = T.ordered_prompts(train, args.prompts_per_step, args.seed, args.num_steps)

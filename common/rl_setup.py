@@ -77,7 +77,7 @@ def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
 
 def geometry_rows(args, world_size: int, device) -> dict:
     """The derived batch geometry of grpo.py / ppo.py `args`, for the table printed at start."""
-    seqs_per_rank_mb = args.sequences_per_minibatch / world_size
+    seqs_per_rank_mb = args.sequences_per_minibatch / (world_size // args.sp_size)  # per data-parallel rank
     auto = "auto (resolved at the first update)"
     mb = args.max_tokens_per_microbatch
     return {

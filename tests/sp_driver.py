@@ -29,9 +29,13 @@ from common.fsdp import FSDPArgs, shard
 from common.models import TokenLogProbs
 from common.passes import sequence_logprobs, sequence_values
 from common.rollout import RolloutBatch
+from common import sequence_parallel as SP
 from common.sequence_parallel import sequence_parallel
 
 out_path, sp_size, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+exchanges = []  # every all-to-all around attention: proof that the SP path ran
+_all_to_all = SP._all_to_all
+SP._all_to_all = lambda x, group: exchanges.append(1) or _all_to_all(x, group)
 d = D.init_distributed("cpu")
 attn = register_varlen_attention()
 g = torch.Generator().manual_seed(0)
@@ -83,7 +87,7 @@ for name in names:
         layouts = []  # (T, cu_seqlens) of every micro-batch the policy saw
         policy.register_forward_pre_hook(lambda m, a, kw: layouts.append(
             (a[0].shape[1], kw["cu_seq_lens_q"].tolist())), with_kwargs=True)
-        res = {}
+        res, n_exchanges = {}, len(exchanges)
         if name == "sft":
             args = sft.Args(max_tokens_per_microbatch=BUDGET, sp_size=sp_n, logprob_impl="torch")
             examples = [Example(p + r, [False] * len(p) + mask[i, :len(r)].bool().tolist())
@@ -124,7 +128,7 @@ for name in names:
                 res["grads"] = full_grads([policy])
             res["loss"] = D.all_reduce(loss)
             res["stats"] = {k: D.all_reduce(v, op="max" if k == "gap_max" else "sum") for k, v in stats.items()}
-        res["layouts"] = layouts
+        res["layouts"], res["all_to_alls"] = layouts, len(exchanges) - n_exchanges
         results[name][sp_n] = res
 if d.is_main:
     torch.save(results, out_path)

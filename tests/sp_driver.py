@@ -7,7 +7,8 @@ data-parallel) and --sp-size SP (groups of SP ranks share each packed micro-batc
 
 Cases (tiny random models, vocabulary 96, 4 query heads):
   grpo-gqa      Qwen2, 2 KV heads (GQA), shared prompts (pack_shared's kv_index), an odd-length row padded
-  grpo-window   Mistral with a 3-token sliding window on every layer, whole sequences (--no-share-prompts)
+  grpo-window   Mistral with a 3-token sliding window on every layer, whole sequences (--no-share-prompts), and
+                activation checkpointing (the recomputed forward runs the all-to-alls again in backward)
   grpo-fused    grpo's --fused-loss path (common.models.TokenLoss, each rank's slice of the per-token constants)
   ppo           the policy and the critic (ppo.ValueModel) through the same micro-batches
   sft           sft.learn_step's NLL, token accuracy, and the held-out loss (evaluate_loss)
@@ -82,7 +83,8 @@ for name in names:
         lm = make_lm(name, 0)
         sp = sequence_parallel(sp_n, lm.config, attn, d.device)
         share = name == "grpo-gqa"
-        policy, plan = shard(lm, FSDPArgs(compile="off"), d.device,
+        fsdp = FSDPArgs(compile="off", activation_checkpointing=name == "grpo-window")  # recompute: all-to-alls again
+        policy, plan = shard(lm, fsdp, d.device,
                              root=TokenLogProbs(lm, "torch", share_prompts=share, sp=sp))
         layouts = []  # (T, cu_seqlens) of every micro-batch the policy saw
         policy.register_forward_pre_hook(lambda m, a, kw: layouts.append(

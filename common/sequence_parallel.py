@@ -49,6 +49,11 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad.contiguous(), ctx.group), None
 
 
+@torch.compiler.disable  # under --fsdp.compile: a graph break, the exchange and its backward run eagerly
+def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+    return _AllToAll.apply(x, group)
+
+
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)  # equal splits of dim 0
@@ -139,11 +144,11 @@ class SequenceParallel:
         Hkv = key.shape[1]
         split = lambda x: x[0].transpose(0, 1).reshape(L, N, x.shape[1] // N, D)  # (L, N, H/N, D): head groups
         qkv = torch.cat([split(x) for x in (query, key, value)], 2).transpose(0, 1)  # (N, L, (Hq + 2 Hkv) / N, D)
-        qkv = _AllToAll.apply(qkv.contiguous(), self.group).flatten(0, 1)  # (N L, C, D): every token, my heads
+        qkv = _exchange(qkv.contiguous(), self.group).flatten(0, 1)  # (N L, C, D): every token, my heads
         q, k, v = (x.transpose(0, 1)[None] for x in qkv.split([Hq // N, Hkv // N, Hkv // N], 1))  # (1, h, N L, D)
         out, _ = attend(module, q, k, v, attention_mask, scaling=scaling, dropout=dropout,
                         sliding_window=sliding_window, **kwargs)  # (1, N L, Hq / N, D)
-        out = _AllToAll.apply(out[0].unflatten(0, (N, L)).contiguous(), self.group)  # (N, L, Hq/N, D): my tokens
+        out = _exchange(out[0].unflatten(0, (N, L)).contiguous(), self.group)  # (N, L, Hq/N, D): my tokens
         return out.transpose(0, 1).reshape(1, L, Hq, D), None
 
 

@@ -17,9 +17,8 @@ from common.fsdp import copy_params, place_frozen, shard
 from common.membudget import resolve_microbatch  # noqa: F401  the scripts' one lazy setup step (at the first update)
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.passes import sequence_logprobs
-from common.sequence_parallel import check as check_sp
-from common.sequence_parallel import sequence_parallel, table as sp_table
 from common.rollout import make_engine
+from common.sequence_parallel import check as check_sp, sequence_parallel, table as sp_table
 from common.tracking import make_tracker, print_table, timed, to_dict
 
 

@@ -69,6 +69,7 @@ from common.rl_setup import (check_geometry, load_policy, load_prompt_splits, re
                              resume_run, rollout_engine, start_tracking)
 from common.rollout import RolloutBatch, gather_rollout, generate, log_step, rollout_metrics, score_rollout, sync_engine
 from common.run_dir import claim_run_dir
+from common.sequence_parallel import sequence_parallel
 from common.stop import install_stop_handler
 from common.tracking import Progress, timed
 
@@ -300,21 +301,26 @@ def token_pg_loss(logp, entropy, adv, old_logp, engine_logp, has_engine_logp, ar
 # ---- the critic --------------------------------------------------------------------------------------------
 class ValueModel(nn.Module):
     """V(s_t): a scalar head on the final hidden state of a causal LM's backbone (its LM head is unused). forward
-    returns a value for every position of a packed row; position p scores the state after tokens 0..p."""
+    returns a value for every position of a packed row; position p scores the state after tokens 0..p. sp: --sp-size,
+    the backbone and head run on this rank's slice of the row, the values are gathered (common/sequence_parallel.py)."""
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, sp=None):
         super().__init__()
-        self.backbone = getattr(lm, lm.base_model_prefix)
+        self.backbone, self.sp = getattr(lm, lm.base_model_prefix), sp
         self.head = nn.Linear(lm.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)  # V = 0 at the start: early advantages are the rewards-to-go themselves
         nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids, position_ids, **attn_kwargs):
+        T = input_ids.shape[1]
+        if self.sp is not None:  # this rank's slice of the row's tokens
+            input_ids, position_ids, attn_kwargs, _, _ = self.sp.split(input_ids, position_ids, attn_kwargs)
         hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                **attn_kwargs).last_hidden_state  # (1, T, H)
         # a new tensor, not head(hidden).squeeze(-1) (a view): FSDP2 warns that an in-place op on a view returned
         # by a sharded module would skip its pre-backward all-gather (tests/test_defects_ppo.py checks the gradients)
-        return (hidden @ self.head.weight[0] + self.head.bias[0]).float()  # (1, T)
+        v = (hidden @ self.head.weight[0] + self.head.bias[0]).float()  # (1, T)
+        return v if self.sp is None else self.sp.gather([v], T)[0]
 
 
 
@@ -359,7 +365,7 @@ def learn_minibatch(policy, critic, plans, batch: RolloutBatch, rows: list[int],
             if epoch == 0:  # vLLM-vs-trainer log-prob gap on the sampled tokens, before any update
                 gap = ((old - engine_logp[i]).abs() * m).where(has_engine_logp, 0.0)
                 stats["gap_sum"] += gap.sum()
-                stats["gap_max"] = torch.maximum(stats["gap_max"], gap.max() if gap.numel() else 0)
+                stats["gap_max"] = torch.maximum(stats["gap_max"], gap.max() if gap.numel() else gap.new_zeros(()))
     return mb_loss
 
 
@@ -378,8 +384,9 @@ def main(args: Args) -> None:
     # the policy sharded by FSDP2 (plan: its decisions); the frozen reference only when the KL term is on
     tok, stop_ids, lm, policy, plan, ref, ref_early = load_policy(args, model_path, d.device)
     # the critic: its own backbone (from the policy or --critic-model) + value head, sharded like the policy
-    critic, critic_plan = shard(clm := load_causal_lm(critic_path, args.attn_impl), args.fsdp, d.device,
-                                root=ValueModel(clm))
+    clm = load_causal_lm(critic_path, args.attn_impl)
+    critic, critic_plan = shard(clm, args.fsdp, d.device, root=ValueModel(
+        clm, sequence_parallel(args.sp_size, clm.config, args.attn_impl, d.device)))  # --sp-size: the policy's groups
     del clm  # its LM head is not part of the critic
     optimizer = torch.optim.AdamW(lora.trainable(policy), lr=args.lr, betas=args.adam_betas,
                                   weight_decay=args.weight_decay)

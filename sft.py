@@ -59,6 +59,7 @@ from common.rewards import load_reward_fn
 from common.rl_setup import resolve_model_once
 from common.rollout import make_engine, sync_engine
 from common.run_dir import claim_run_dir
+from common.sequence_parallel import data_parallel, rank_view, sequence_parallel, table as sp_table
 from common.stop import install_stop_handler
 from common.tracking import Progress, make_tracker, print_table, timed, to_dict
 from common.vllm_engine import VLLMArgs
@@ -145,6 +146,9 @@ class Args(RunArgs):  # and the run flags of common/args.py
     (--logprob-impl; on a GPU with Triton); --no-fused-loss: token_logprobs, then the loss (docs/kernels.md)"""
     attn_impl: str = "varlen"
     """trainer attention: varlen (packed rows, common/attention.py), or sdpa / eager"""
+    sp_size: int = 1
+    """sequence parallelism (DeepSpeed-Ulysses): each micro-batch's tokens split across this many consecutive ranks,
+    all-to-alls around attention; data-parallel size = ranks / sp-size (docs/long_responses.md)"""
     token_accuracy: bool = True
     """log train/token_accuracy (one more no-grad pass through the LM head; eval/token_accuracy always)"""
     peak_flops: float = PEAK_FLOPS["H200"]
@@ -177,7 +181,8 @@ STATS = ("tokens", "nll", "hits", "entropy")  # sums over the assistant tokens
 def token_stats(policy, examples, ids: list[int], accuracy: bool, device, normaliser: float | None = None):
     """log pi of every assistant token of conversations `ids`, packed in one row (N,), and their summed STATS. With a
     normaliser (--fused-loss): nll_share instead of log pi, its gradient computed in the LM head's forward."""
-    mb = pack_masked([e.ids for e in examples], [e.mask for e in examples], ids).to(device)
+    # --sp-size: the rows (loss, STATS) on the SP group's first rank; every rank runs its slice of the tokens
+    mb = rank_view([policy], pack_masked([e.ids for e in examples], [e.mask for e in examples], ids)).to(device)
     loss = None if normaliser is None else TokenLoss(lambda logp, entropy: -logp, 1 / max(normaliser, 1.0))
     out = policy(mb.input_ids, mb.position_ids, mb.targets, scored=mb.pos, argmax=accuracy, loss=loss,
                  **attn_kwargs(mb))
@@ -213,8 +218,8 @@ def evaluate_loss(policy, examples, ids: list[int], args: Args, d) -> dict:
     """eval/loss (per assistant token), eval/token_accuracy and eval/entropy on held-out conversations `ids`."""
     policy.eval()
     s = torch.zeros(len(STATS), device=d.device)
-    for mb_ids in shard_microbatches([e.num_tokens for e in examples], ids, d.world_size, d.rank,
-                                     args.max_tokens_per_microbatch):
+    lengths, (world, rank) = [e.num_tokens for e in examples], data_parallel([policy], d.world_size, d.rank)
+    for mb_ids in shard_microbatches(lengths, ids, world, rank, args.max_tokens_per_microbatch):  # per SP group
         s += token_stats(policy, examples, mb_ids, True, d.device)[1]
     reshard(policy)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
     policy.train()
@@ -238,7 +243,8 @@ def main(args: Args) -> None:
     tok = load_tokenizer(model_path)
     stop_ids = eos_token_ids(tok, model_path)
     policy, plan = shard(lm := lora.apply(load_causal_lm(model_path, args.attn_impl), args.lora, args.fsdp, d.device,
-                                          args.seed), args.fsdp, d.device, root=TokenLogProbs(lm, args.logprob_impl))
+                                          args.seed), args.fsdp, d.device, root=TokenLogProbs(lm, args.logprob_impl,
+                         sp=sequence_parallel(args.sp_size, lm.config, args.attn_impl, d.device)))  # --sp-size
     optimizer = torch.optim.AdamW(lora.trainable(policy), lr=args.lr, betas=args.adam_betas,
                                   weight_decay=args.weight_decay)
 
@@ -303,6 +309,7 @@ def main(args: Args) -> None:
             "grad accumulation / rank (mean)": math.ceil(args.sequences_per_step / d.world_size * mean_len
                                                          / args.max_tokens_per_microbatch),
             "trainer attention": describe(d.device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
+            **sp_table(args.sp_size, d.world_size),
             "train conversations (dropped too long)": f"{len(train)} ({dropped})",
             "held-out conversations (dropped)": f"{len(evals)} ({eval_dropped})", "eval rows": splits.note,
             "mean tokens (trained) / conversation":

@@ -227,6 +227,9 @@ class RLArgs(RunArgs):
     """the trainer's passes hold each prompt once for the group's sequences that share it (exact: the same keys and
     positions; common/packing.py pack_shared); needs --attn-impl varlen, off with any other. PPO's update keeps whole
     sequences (its critic); --no-share-prompts: every sequence whole"""
+    sp_size: int = 1
+    """sequence parallelism (DeepSpeed-Ulysses): each packed micro-batch's tokens split across this many consecutive
+    ranks, all-to-alls around attention; data-parallel size = ranks / sp-size (docs/long_responses.md)"""
     reference: Literal["auto", "sharded", "replicated"] = "auto"
     """the reference model (kl_coef > 0): sharded like the policy, or a whole copy on every rank, which scores this
     rank's own rollout before the gather, while slower ranks still generate (its forward runs no collective).

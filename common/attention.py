@@ -112,9 +112,15 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     or by the position-id restarts; attention_mask is ignored (packed rows carry no padding). With kwargs kv_index
     (common.packing.pack_shared), each segment's keys and values are the row's tokens kv_index lists, bounded by
     cu_seq_lens_k / max_length_k, aligned at the segment's end. sliding_window W (Gemma-3's local layers, Mistral,
-    Phi-3): each query attends to its last W keys, itself included (flash-attn's window_size left = W - 1)."""
+    Phi-3): each query attends to its last W keys, itself included (flash-attn's window_size left = W - 1). With
+    kwargs sequence_parallel (--sp-size), query/key/value hold this rank's tokens of the row and the boundaries are
+    the whole row's: common.sequence_parallel's all-to-alls run around this function."""
     if dropout:
         raise NotImplementedError("--attn-impl varlen does not implement attention dropout; use sdpa")
+    sp = kwargs.pop("sequence_parallel", None)
+    if sp is not None:  # --sp-size: all-to-all to whole sequences of this rank's heads, attend, and back
+        return sp.attention(varlen_attention_forward, module, query, key, value, attention_mask, scaling, dropout,
+                            sliding_window, **kwargs)
     B, Hq, T, D = query.shape
     cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu is None:

@@ -150,6 +150,10 @@ class BaseView:
     def share_prompts(self) -> bool:  # the passes pack for the policy's attention
         return getattr(self.policy, "share_prompts", False)
 
+    @property
+    def sp(self):  # and in its sequence-parallel group (--sp-size)
+        return getattr(self.policy, "sp", None)
+
     def modules(self):
         return self.policy.modules()
 

@@ -12,6 +12,8 @@ budget = (free - margin - reserve) / bytes_per_token, rounded down to a multiple
            and the AdamW moments not yet allocated, the foreach optimiser step's temporaries, the gathered bf16
            parameters and their unsharded gradients (the whole model when FSDP gathers it as one unit)
   bytes_per_token: activations_bytes_per_token(); docs/performance.md "Micro-batch budget (auto)" has its fit.
+  With --sp-size N a rank holds 1/N of a micro-batch's tokens: bytes_per_token / N and CEILING x N (an estimate:
+  not measured on GPUs).
 On CPU the budget is CPU_BUDGET (the tests' and CI's sizes, today's default)."""
 import math
 import warnings
@@ -97,7 +99,8 @@ def resolve_microbatch(args, config, models: list, optimizers: list, plan, d, pe
                                            fused, len(models))
     reserve = update_reserve_bytes(models, optimizers, plan.param_dtype.itemsize,
                                    plan.unit == "model" or plan.keep_gathered, config.num_hidden_layers)
-    budget, floored = budget_from_memory(free, total, reserve, per_token, longest)
+    sp = getattr(args, "sp_size", 1)  # --sp-size: each rank of an SP group holds 1/sp of a micro-batch's tokens
+    budget, floored = budget_from_memory(free, total, reserve, -(-per_token // sp), longest, CEILING * sp)
     budget = int(D.all_reduce(budget, op="min"))  # every rank cuts the same number of micro-batches
     if floored:
         warnings.warn(f"--max-tokens-per-microbatch 0 (auto): {free / GiB:.1f} GiB free holds fewer tokens than one "

@@ -221,12 +221,15 @@ class TokenLogProbs(nn.Module):
     need more rows to keep the GPU ahead of the host, docs/kernels.md).
     share_prompts: common.passes gives it micro-batches holding each prompt once for the sequences that share it
     (common.packing.pack_shared); only with the varlen attention, the one that reads their kv_index.
+    sp: --sp-size > 1, a common.sequence_parallel.SequenceParallel: the body and the head run on this rank's 1/N of
+    the row's tokens, and the per-token outputs are gathered to the whole row (the loss: this rank's tokens' share).
     """
 
     def __init__(self, lm: nn.Module, impl: str = "auto", workspace_mb: int = 320, loss_workspace_mb: int = 1536,
-                 share_prompts: bool = False):
+                 share_prompts: bool = False, sp=None):
         super().__init__()
         self.lm, self.impl, self.workspace_mb, self.loss_workspace_mb = lm, impl, workspace_mb, loss_workspace_mb
+        self.sp = sp
         self.logit_scale = logit_scale(lm)  # logits = s * hidden @ W.T: softmax(logits / T) at temperature T / s
         check_attention(lm.config, lm.config._attn_implementation)
         if share_prompts and lm.config._attn_implementation != "varlen":
@@ -243,6 +246,11 @@ class TokenLogProbs(nn.Module):
         # loss: a TokenLoss over the scored tokens; returns (loss, logp, entropy), the loss's gradient computed in this
         # forward by kernels.token_loss (logp and entropy detached, for statistics).
         temperature = temperature / self.logit_scale  # the head's constant (Granite, Cohere; 1 for most models)
+        T = targets.shape[1]
+        if self.sp is not None:  # --sp-size: this rank's slice of the row; its scored tokens are found in it
+            input_ids, position_ids, attn_kwargs, targets, loss = self.sp.split(input_ids, position_ids, attn_kwargs,
+                                                                                targets, loss)
+            scored = None
         base = getattr(self.lm, self.lm.base_model_prefix)
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                       **attn_kwargs).last_hidden_state  # (1, T, H)
@@ -256,14 +264,14 @@ class TokenLogProbs(nn.Module):
         else:
             logp, entropy = token_logprobs(hidden.flatten(0, 1)[sel], weight, flat[sel], temperature, self.impl)
         first = () if loss is None else (value,)
-        if not argmax:
-            return *first, scatter(logp), scatter(entropy)
-        with torch.no_grad():  # the kernel never forms the logits: one more pass through the head, 1024 rows at a time
-            h = hidden.detach().flatten(0, 1)[sel]  # (N, H)
-            top = torch.cat([(c @ weight.detach().T.to(c.dtype)).argmax(-1) for c in h.split(1024)]) if len(sel) \
-                else flat[sel]
-            hit = (top == flat[sel]).float()  # (N,)
-        return *first, scatter(logp), scatter(entropy), scatter(hit)
+        outs = [scatter(logp), scatter(entropy)]
+        if argmax:
+            with torch.no_grad():  # the kernel never forms the logits: one more pass through the head, 1024 rows a time
+                h = hidden.detach().flatten(0, 1)[sel]  # (N, H)
+                top = torch.cat([(c @ weight.detach().T.to(c.dtype)).argmax(-1) for c in h.split(1024)]) if len(sel) \
+                    else flat[sel]
+                outs.append(scatter((top == flat[sel]).float()))  # 1.0 where the target is the top-1 token
+        return *first, *(outs if self.sp is None else self.sp.gather(outs, T))  # (1, T) each
 
 
 class TokenLoss:
@@ -279,6 +287,13 @@ class TokenLoss:
         col = lambda x: x[:, None] if isinstance(x, torch.Tensor) else x
         self.fn = lambda logp, entropy, w, *args: fn(*map(col, (logp, entropy, *args)))[:, 0] * w
         self.token_args = (weight, *token_args)
+
+    def slice(self, a: int, b: int) -> "TokenLoss":
+        """The same loss over scored tokens a..b-1 only (common.sequence_parallel: a rank's slice of the row)."""
+        out = TokenLoss.__new__(TokenLoss)
+        out.fn = self.fn
+        out.token_args = tuple(x[a:b] if isinstance(x, torch.Tensor) and x.dim() else x for x in self.token_args)
+        return out
 
     @staticmethod
     def runs_fused(wanted: bool, logprob_impl: str, device: torch.device) -> bool:

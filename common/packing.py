@@ -34,6 +34,8 @@ class MicroBatch:
     kv_index: torch.Tensor | None = None     # pack_shared: (N_k,) the row's tokens each segment attends to, in order
     cu_seqlens_k: torch.Tensor | None = None  # pack_shared: (n+1,) int32 boundaries of the segments' keys in kv_index
     max_seqlen_k: int = 0
+    take_row: torch.Tensor | None = None  # (N_resp,) take()'s rows and columns where row / col were emptied
+    take_col: torch.Tensor | None = None  # (common.sequence_parallel.rank_view)
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +61,9 @@ class MicroBatch:
         as in `rows`) -> (N_resp,), one per response token in the packed order of `pos`. None stays None."""
         if values is None:
             return None
-        r = self.index[self.row]  # (N_resp,) the caller's row of each response token
-        return values[r, self.col] if values.dim() == 2 else values[r]
+        r = self.index[self.row] if self.take_row is None else self.take_row  # (N_resp,) the caller's row of each
+        c = self.col if self.take_col is None else self.take_col  # response token, and its column
+        return values[r, c] if values.dim() == 2 else values[r]
 
 
 def balanced_partition(lengths: list[int], k: int) -> list[list[int]]:

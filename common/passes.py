@@ -2,7 +2,9 @@
 balanced share of the sequences, the results are summed back so every rank has them all), and the micro-batch
 loop of an update (this rank's packed micro-batches, with FSDP2 told when to reduce-scatter and reshard).
 A model built with share_prompts (TokenLogProbs; the RL scripts' --share-prompts with the varlen attention) gets
-micro-batches that hold each prompt once for the sequences that share it (common.packing.pack_shared)."""
+micro-batches that hold each prompt once for the sequences that share it (common.packing.pack_shared). With --sp-size N
+(models holding a common.sequence_parallel.SequenceParallel) the N ranks of an SP group take one data-parallel share
+and see the same micro-batches, whose rows only the group's first rank keeps (sequence_parallel.rank_view)."""
 from typing import Iterator
 
 import torch
@@ -12,6 +14,7 @@ from common import dist as D
 from common.attention import attn_kwargs
 from common.fsdp import ShardPlan, reshard
 from common.packing import MicroBatch, pack, pack_shared, shard_microbatches, shard_shared_microbatches
+from common.sequence_parallel import data_parallel, rank_view
 
 
 def _lengths(prompts, responses) -> list[int]:
@@ -36,9 +39,9 @@ def sequence_logprobs(model, prompts, responses, rows, world, rank, budget, temp
     and summed back so every rank holds the result: (B, width), zero outside `rows`. world=1, rank=0 on one of
     several ranks: all of `rows` on this rank and no collective (a replicated model)."""
     out = torch.zeros(len(prompts), width, device=device)
-    micro, packer = _packed(_shares([model]), prompts, responses, rows, world, rank, budget)
+    micro, packer = _packed(_shares([model]), prompts, responses, rows, *data_parallel([model], world, rank), budget)
     for mb_rows in micro:
-        mb = packer(prompts, responses, mb_rows).to(device)
+        mb = rank_view([model], packer(prompts, responses, mb_rows)).to(device)
         logp, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature, scored=mb.pos, **attn_kwargs(mb))
         if mb_rows:
             out[mb.index] = mb.unpack(logp, width)
@@ -59,10 +62,11 @@ def sequence_values(critic, prompts, responses, rows, world, rank, budget, width
     computed across ranks like sequence_logprobs. Returns (B, width) and (B,), zero outside `rows`."""
     values = torch.zeros(len(prompts), width, device=device)
     last = torch.zeros(len(prompts), device=device)
+    world, rank = data_parallel([critic], world, rank)
     for mb_rows in shard_microbatches(_lengths(prompts, responses), rows, world, rank, budget):
-        mb = pack(prompts, responses, mb_rows).to(device)
+        mb = rank_view([critic], pack(prompts, responses, mb_rows)).to(device)
         v = critic(mb.input_ids, mb.position_ids, **attn_kwargs(mb))
-        if mb_rows:
+        if mb.rows:  # none on a padding micro-batch, or on an SP group's other ranks
             values[mb.index] = mb.unpack(v, width)
             last[mb.index] = v[0, mb.cu_seqlens[1:].long() - 1]  # each sequence's final position
     reshard(critic)  # FSDP2 leaves gathered parameters after a forward without backward; stale after a step
@@ -76,7 +80,9 @@ def microbatch_rows(models: list[tuple[nn.Module, ShardPlan]], lengths: list[int
     Every rank yields the same number: a rank with fewer gets empty ones, whose forward and backward make the same
     FSDP2 calls and add a zero gradient (a loss over no rows is 0 and still depends on the parameters). Gradients
     are reduce-scattered once, after the last backward; with a plan's keep_gathered the parameters stay gathered
-    from the first forward to the last backward."""
+    from the first forward to the last backward. With --sp-size the caller's packed micro-batch goes through
+    common.sequence_parallel.rank_view (the ranks of an SP group get the same row ids)."""
+    world, rank = data_parallel([m for m, _ in models], world, rank)
     yield from _turns(models, shard_microbatches(lengths, rows, world, rank, budget))
 
 
@@ -104,6 +110,7 @@ def microbatches(models: list[tuple[nn.Module, ShardPlan]], prompts, responses, 
                  budget: int, device) -> Iterator[MicroBatch]:
     """microbatch_rows of (prompt, response) sequences, packed and on the device (prompts shared when every model
     takes it)."""
+    world, rank = data_parallel([m for m, _ in models], world, rank)
     micro, packer = _packed(_shares([m for m, _ in models]), prompts, responses, rows, world, rank, budget)
     for mb_rows in _turns(models, micro):
-        yield packer(prompts, responses, mb_rows).to(device)
+        yield rank_view([m for m, _ in models], packer(prompts, responses, mb_rows)).to(device)

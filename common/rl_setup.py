@@ -21,6 +21,7 @@ from common.membudget import resolve_microbatch  # noqa: F401  the scripts' one 
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.passes import sequence_logprobs
 from common.rollout import make_engine
+from common.sequence_parallel import check as check_sp, sequence_parallel, table as sp_table
 from common.tracking import make_tracker, print_table, timed, to_dict
 
 
@@ -53,6 +54,10 @@ def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
                          "and kl_coef 0 loads no reference model)")
     if getattr(args, "dynamic_sampling_max_rounds", 1) > 1 and not args.dynamic_sampling:
         raise UsageError("--dynamic-sampling-max-rounds > 1 re-samples only with --dynamic-sampling: add it, or drop it")
+    check_sp(args.sp_size, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), None, args.attn_impl)
+    if args.sp_size > 1 and args.reference == "replicated":
+        raise UsageError(f"--reference replicated scores each sequence whole on one rank, without --sp-size "
+                         f"{args.sp_size}'s groups: use --reference sharded (auto is sharded with --sp-size > 1)")
     if args.prompts_per_step % world_size:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of ranks "
                          f"({world_size}): each rank generates for its share of the prompts")
@@ -76,7 +81,7 @@ def check_geometry(args, world_size: int, sizes: tuple = ()) -> None:
 
 def geometry_rows(args, world_size: int, device) -> dict:
     """The derived batch geometry of grpo.py / ppo.py `args`, for the table printed at start."""
-    seqs_per_rank_mb = args.sequences_per_minibatch / world_size
+    seqs_per_rank_mb = args.sequences_per_minibatch / (world_size // args.sp_size)  # per data-parallel rank
     auto = "auto (resolved at the first update)"
     mb = args.max_tokens_per_microbatch
     return {
@@ -89,6 +94,7 @@ def geometry_rows(args, world_size: int, device) -> dict:
         f"4 x micro-batch, {auto}",
         "grad accumulation / rank (max)": math.ceil(seqs_per_rank_mb * args.longest_sequence / mb) if mb else auto,
         "trainer attention": describe(device, torch.bfloat16) if args.attn_impl == "varlen" else args.attn_impl,
+        **sp_table(args.sp_size, world_size),
     }
 
 
@@ -134,15 +140,15 @@ def load_policy(args, model_path: str, device):
     and the reference is that base, the policy with its adapters off (common.lora.BaseView): no second copy."""
     tok = load_tokenizer(model_path)
     lm = lora.apply(load_causal_lm(model_path, args.attn_impl), args.lora, args.fsdp, device, args.seed)
-    share = args.prompt_sharing
-    policy, plan = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl, share_prompts=share))
+    share, sp = args.prompt_sharing, sequence_parallel(args.sp_size, lm.config, args.attn_impl, device)  # --sp-size
+    policy, plan = shard(lm, args.fsdp, device, root=TokenLogProbs(lm, args.logprob_impl, share_prompts=share, sp=sp))
     ref, ref_early = None, False
     if args.kl_coef > 0 and args.lora.rank:
         ref = lora.base_view(policy)
-    elif args.kl_coef > 0:
+    elif args.kl_coef > 0:  # with --sp-size the reference is sharded, in the policy's SP groups
         rlm = load_causal_lm(model_path, args.attn_impl, trainable=False)
-        ref, ref_early = place_frozen(rlm, args.fsdp, device, args.reference,
-                                      root=TokenLogProbs(rlm, args.logprob_impl, share_prompts=share))
+        ref, ref_early = place_frozen(rlm, args.fsdp, device, "sharded" if sp else args.reference,
+                                      root=TokenLogProbs(rlm, args.logprob_impl, share_prompts=share, sp=sp))
     return tok, eos_token_ids(tok, model_path), lm, policy, plan, ref, ref_early
 
 
@@ -161,8 +167,9 @@ class BehaviourPolicy:
             raise UsageError("--behaviour-logp trainer keeps a second copy of the whole policy: not with LoRA "
                              "(--lora.rank > 0); use --behaviour-logp engine")
         lm = load_causal_lm(model_path, args.attn_impl, trainable=False)
+        sp = sequence_parallel(args.sp_size, lm.config, args.attn_impl, device)
         self.model = shard(lm, args.fsdp, device,
-                           root=TokenLogProbs(lm, args.logprob_impl, share_prompts=args.prompt_sharing))[0]
+                           root=TokenLogProbs(lm, args.logprob_impl, share_prompts=args.prompt_sharing, sp=sp))[0]
 
     def logprobs(self, policy, fresh: bool, seqs: tuple, temperature: float, width: int, device,
                  perf: dict) -> torch.Tensor:

@@ -98,6 +98,7 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
     assert re.search(r"FSDP unit +model", p.stdout)  # two ranks, kept gathered: per-layer units would only cost
 
 
+@pytest.mark.slow
 def test_two_ranks_each_with_two_engine_processes(tiny_model_dir, tmp_path):
     """--vllm.own-process --vllm.num-engines 2 on two ranks: each rank's two children sample its prompts, every refit
     reaches all four (the engines' log-probs stay those of the trainer's weights after each update: a child left on

@@ -14,8 +14,7 @@ from common.chat import GENERATION_BLOCK, build_examples, tokenize_messages
 from common.data import build_prompts
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack_masked
-from conftest import torchrun
-from smollm_tiny import make_tiny_smollm
+from conftest import run_scripts, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 GSM8K = ROOT / "tests" / "data" / "gsm8k_tiny.jsonl"
@@ -33,11 +32,6 @@ GENERATION_TEMPLATE = (
 REWRITING_TEMPLATE = GENERATION_TEMPLATE.replace(
     "m['content'] + '<|im_end|>' }}{% endgeneration %}",
     "(m['content'] if loop.last else m['content'].split('\\n')[-1]) + '<|im_end|>' }}{% endgeneration %}")
-
-
-@pytest.fixture(scope="session")
-def tiny_smollm(tmp_path_factory) -> Path:
-    return make_tiny_smollm(tmp_path_factory.mktemp("smollm") / "model")
 
 
 @pytest.fixture
@@ -129,12 +123,14 @@ def test_system_prompt_and_template_kwargs_give_the_rl_prompt(tok, tiny_smollm, 
 def test_sft_flags_system_prompt_and_template_kwargs(tmp_path, tiny_smollm):
     """sft.py's flags reach the data: a bad --chat-template-kwargs stops the run before the model loads, and a system
     prompt longer than --max-length leaves no conversation to train on."""
-    base = ["--model", str(tiny_smollm), "--dataset", str(GSM8K), "--num-steps", "1", "--eval-every", "0",
+    base = ["sft.py", "--model", str(tiny_smollm), "--dataset", str(GSM8K), "--num-steps", "1", "--eval-every", "0",
             "--max-length", "256", "--max-tokens-per-microbatch", "512", "--out-dir", str(tmp_path)]
-    p = torchrun("sft.py", *base, "--chat-template-kwargs", "[1]", nproc=1, check=False)
+    runs = run_scripts({"kwargs": [*base, "--chat-template-kwargs", "[1]"],  # one Python process for both
+                        "system": [*base, "--overwrite", "--system-prompt", "Show every step. " * 80]}, tmp_path / "d")
+    p = runs["kwargs"]
     assert p.returncode != 0 and "--chat-template-kwargs '[1]' is a JSON list: give an object" in p.stderr
     assert "batch geometry" not in p.stdout
-    p = torchrun("sft.py", *base, "--overwrite", "--system-prompt", "Show every step. " * 80, nproc=1, check=False)
+    p = runs["system"]
     assert p.returncode != 0 and "than the 0 train conversations" in p.stderr, p.stderr[-2000:]
 
 

@@ -9,20 +9,29 @@ import torch
 from conftest import torchrun
 
 
+SPLITS = {"1rank_1micro": (1, 4096, "off", "auto"), "1rank_4micro": (1, 14, "off", "auto"),
+          "2rank_micro": (2, 14, "off", "auto"), "2rank_micro_keep": (2, 14, "on", "auto"),
+          "2rank_micro_keep_layer": (2, 14, "on", "layer")}
+
+
+@pytest.fixture(scope="module")
+def split_grads(tiny_model_dir, tmp_path_factory):
+    """tests/grad_split_driver.py's gradients for every SPLITS setting and both loss aggregations: one launch on one
+    rank, one on two (each setting shards a fresh copy of the model)."""
+    out = tmp_path_factory.mktemp("grad_split")
+    for nproc in (1, 2):
+        settings = [f"{name}-{agg}:{budget}:{agg}:{keep}:{unit}" for name, (n, budget, keep, unit) in SPLITS.items()
+                    for agg in ("token-mean", "seq-mean-token-mean") if n == nproc]
+        torchrun("tests/grad_split_driver.py", str(tiny_model_dir), str(out), *settings, nproc=nproc)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
-def test_gradient_independent_of_microbatches_and_ranks(tiny_model_dir, tmp_path, loss_agg):
+def test_gradient_independent_of_microbatches_and_ranks(split_grads, loss_agg):
     """Same gradient for one micro-batch, several, and several on each of two ranks, with the parameters kept
     gathered between micro-batches (--fsdp.keep-gathered on: no all-gather after the first) or not."""
-    runs = {"1rank_1micro": (1, 4096, "off", "auto"), "1rank_4micro": (1, 14, "off", "auto"),
-            "2rank_micro": (2, 14, "off", "auto"), "2rank_micro_keep": (2, 14, "on", "auto"),
-            "2rank_micro_keep_layer": (2, 14, "on", "layer")}
-    res = {}
-    for name, (nproc, budget, keep, unit) in runs.items():
-        out = tmp_path / f"{name}.pt"
-        torchrun("tests/grad_split_driver.py", str(tiny_model_dir), str(budget), loss_agg, str(out), keep, unit,
-                 nproc=nproc)
-        res[name] = torch.load(out)
+    res = {name: torch.load(split_grads / f"{name}-{loss_agg}.pt") for name in SPLITS}
     assert res["1rank_1micro"]["micro_rank0"] == 1
     assert res["1rank_4micro"]["micro_rank0"] >= 4
     n = res["2rank_micro_keep"]["micro_rank0"]

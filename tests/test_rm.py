@@ -16,7 +16,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from common.packing import shard_microbatches
 from common.preference import load_pair_splits
 from common.reward_model import LastTokenReward, init_reward_model
-from conftest import torchrun
+from conftest import run_scripts, torchrun
 from rm import Args, bradley_terry_loss, pair_losses, pair_stats, stats_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,9 +119,12 @@ def test_rm_resume_continues_exactly(tmp_path, tiny_model_dir):
     data position)."""
     common = ["--model", str(tiny_model_dir), "--num-steps", "2", "--eval-every", "0", "--pairs-per-step", "4",
               "--lr", "1e-3", "--lr-schedule", "cosine", "--out-dir", str(tmp_path)]
-    torchrun("rm.py", *common, "--exp-name", "a", "--save-every", "1", "--export-hf", str(tmp_path / "hf"), nproc=1)
-    torchrun("rm.py", *common, "--exp-name", "b", "--resume", str(tmp_path / "a" / "checkpoints" / "step_000001"),
-             nproc=1)
+    runs = run_scripts({"a": ["rm.py", *common, "--exp-name", "a", "--save-every", "1", "--export-hf",
+                              str(tmp_path / "hf")],  # then b, in the same Python process
+                        "b": ["rm.py", *common, "--exp-name", "b", "--resume",
+                              str(tmp_path / "a" / "checkpoints" / "step_000001")]}, tmp_path / "driver")
+    for p in runs.values():
+        assert p.returncode == 0, p.stderr[-3000:]
     a, b = merged_rows(tmp_path / "a"), merged_rows(tmp_path / "b")
     assert [r["step"] for r in b] == [1]
     for k in ("train/loss", "train/chosen_reward", "train/rejected_reward", "train/lr", "train/grad_norm"):

@@ -283,12 +283,14 @@ def test_sft_default_smollm2_lowers_the_loss(tmp_path):
 @pytest.mark.slow
 def test_export_is_grpo_model(tmp_path, tiny_smollm):
     """sft.py's --export-hf folder is grpo.py's --model as it is: one GRPO step from it runs and evaluates."""
-    torchrun("sft.py", "--model", str(tiny_smollm), "--dataset", str(GSM8K), "--sequences-per-step", "4",
-             "--num-steps", "1", "--eval-every", "0", "--out-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf"),
-             nproc=1)
-    torchrun("grpo.py", "--model", str(tmp_path / "hf"), "--dataset", str(GSM8K), "--num-steps", "1",
-             "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-every", "1",
-             "--eval-size", "2", "--rollout", "hf", "--out-dir", str(tmp_path), nproc=1)
+    runs = run_scripts({  # one Python process, sft.py then grpo.py
+        "sft": ["sft.py", "--model", str(tiny_smollm), "--dataset", str(GSM8K), "--sequences-per-step", "4",
+                "--num-steps", "1", "--eval-every", "0", "--out-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf")],
+        "grpo": ["grpo.py", "--model", str(tmp_path / "hf"), "--dataset", str(GSM8K), "--num-steps", "1",
+                 "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-every", "1",
+                 "--eval-size", "2", "--rollout", "hf", "--out-dir", str(tmp_path)]}, tmp_path / "driver")
+    for p in runs.values():
+        assert p.returncode == 0, p.stderr[-3000:]
     rows = read_metrics(tmp_path / "grpo")
     assert [r["step"] for r in rows if "reward/mean" in r] == [0] and "eval/accuracy" in rows[-1]
     assert json.loads((tmp_path / "grpo" / "config.json").read_text())["model_path"] == str(tmp_path / "hf")

@@ -4,7 +4,8 @@ torch and transformers are imported once for all of them instead of once per sub
 
     python tests/script_driver.py CASES.json
 
-CASES.json: {"cases": [{"name": ..., "argv": [SCRIPT, *ARGS]}, ...], "env": {...}}. For each case, in order, it writes
+CASES.json: {"cases": [{"name": ..., "argv": [SCRIPT, *ARGS]}, ...], "env": {...}}; an argv may also be
+["-m", MODULE, *ARGS], as `python -m MODULE ARGS...` (tools/). For each case, in order, it writes
 NAME.out, NAME.err (what the case wrote to file descriptors 1 and 2) and NAME.rc (its exit status) beside CASES.json.
 tests/conftest.py:run_scripts is the way in."""
 import json
@@ -34,9 +35,12 @@ def run_case(argv: list[str], out: Path, err: Path) -> int:
         os.dup2(o.fileno(), 1)
         os.dup2(e.fileno(), 2)
         try:
-            sys.argv = list(argv)
-            sys.path[0] = str(Path(argv[0]).resolve().parent)  # as `python SCRIPT` puts the script's folder first
-            runpy.run_path(argv[0], run_name="__main__")
+            if argv[0] == "-m":  # as `python -m MODULE`: the current folder first on the path
+                sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:  # as `python SCRIPT`: the script's folder first on the path
+                sys.argv, sys.path[0] = list(argv), str(Path(argv[0]).resolve().parent)
+                runpy.run_path(argv[0], run_name="__main__")
             code = 0
         except SystemExit as x:  # what the interpreter makes of sys.exit(x.code)
             code = 0 if x.code is None else x.code if isinstance(x.code, int) else 1

@@ -151,11 +151,14 @@ def test_engine_processes_under_ppo_lora_and_episodes(tiny_model_dir, tmp_path, 
 @pytest.mark.slow
 def test_learning_toy_task(tiny_model_dir, tmp_path):
     """Mean reward rises under grpo.py on a task a random tiny model can learn (fraction of letters a-m; top-k
-    sampling keeps the candidate set small enough for a few steps to matter). Seeded."""
+    sampling keeps the candidate set small enough for a few steps to matter): the mean of the last 3 steps beats the
+    first 2 by more than 0.1. --seed 1 --deterministic, one rank: the same run every time on a machine. The rise over
+    seeds 1-5 with these flags (2-core CPU, 2026-12-06): 0.258, 0.287, 0.197, 0.169, 0.219 (smallest 0.169)."""
     torchrun("grpo.py", "--model", str(tiny_model_dir), "--reward-fn", "tests.toy_reward:a_to_m",
              "--num-steps", "8", "--prompts-per-step", "4", "--group-size", "8", "--max-new-tokens", "8",
              "--lr", "1e-2", "--top-k", "10", "--eval-every", "0", "--out-dir", str(tmp_path), "--exp-name", "learn",
-             "--dataset", "arith", "--temperature", "1.0", nproc=1)  # the flags of the pre-quick-start defaults
+             "--dataset", "arith", "--temperature", "1.0", "--seed", "1", "--deterministic",
+             nproc=1)  # the flags of the pre-quick-start defaults
     rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "learn")]
     assert len(rewards) == 8
     first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3

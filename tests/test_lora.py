@@ -138,6 +138,9 @@ def saved_keys(ckpt: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_sft_lora_resumes_exactly_and_exports_adapters(tiny_model_dir, tmp_path):
+    """--deterministic, seed 1: the adapters learn (train loss of step 3 below step 0's; over seeds 1-3 on a 2-core
+    CPU, 2026-12-06, it fell 0.161, 0.156, 0.157 from 10.77), the checkpoint holds the adapters only, resume is exact
+    and the export is an adapter folder."""
     base = ["--model", str(tiny_model_dir), "--dataset", str(GSM8K), "--sequences-per-step", "8", "--num-steps", "4",
             "--eval-fraction", "0.2", "--max-tokens-per-microbatch", "512", "--max-length", "256", "--lr", "1e-2",
             "--deterministic", "--save-every", "2", "--eval-every", "0", "--lora.rank", "4", "--lora.alpha", "8"]

@@ -223,6 +223,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_sft_cpu_two_ranks_loss_falls_resume_exact_export_loads(tmp_path, tiny_smollm):
+    """2 ranks, --deterministic, seed 1: the held-out loss falls by more than 1.0 in 4 steps; over seeds 1-3 (2-core
+    CPU, 2026-12-06) it fell 2.105, 2.140, 1.993 (10.79 -> 8.68 at seed 1) and the train loss 10.78 -> 8.92, 8.92,
+    9.11. Then resume is exact and the export is the trained model."""
     base = ["--model", str(tiny_smollm), "--dataset", str(GSM8K), "--sequences-per-step", "8", "--num-steps", "4",
             "--eval-fraction", "0.2", "--max-new-tokens", "8", "--max-tokens-per-microbatch", "512", "--max-length",
             "256", "--lr", "1e-2", "--deterministic", "--save-every", "2"]

@@ -23,8 +23,6 @@ GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 def run_case(argv: list[str], out: Path, err: Path) -> int:
     """Run one command line as __main__ with fds 1 and 2 sent to `out` and `err`; its exit status."""
-    import torch
-    import torch.distributed as dist
     for k in GROUP_VARS:
         os.environ.pop(k, None)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -57,9 +55,12 @@ def run_case(argv: list[str], out: Path, err: Path) -> int:
             sys.argv, sys.path[:], sys.excepthook = saved_argv, saved_path, hook
             for s, h in handlers.items():
                 signal.signal(s, h)
-    if dist.is_initialized():  # a case that died mid-run leaves its group behind; the next one forms its own
-        dist.destroy_process_group()
-    torch.use_deterministic_algorithms(False)
+    if "torch.distributed" in sys.modules:  # only if a case imported torch
+        import torch
+        import torch.distributed as dist
+        if dist.is_initialized():  # a case that died mid-run leaves its group behind; the next one forms its own
+            dist.destroy_process_group()
+        torch.use_deterministic_algorithms(False)
     return code
 
 

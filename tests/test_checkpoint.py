@@ -16,7 +16,7 @@ import common.checkpoint as C
 from common.determinism import set_deterministic
 from common.nan_guard import NanGuard, all_finite
 from common.stop import install_stop_handler, stop_agreed
-from conftest import ROOT, torchrun
+from conftest import ROOT, run_scripts, torchrun
 
 
 def _fake_checkpoint(root: Path, step: int, complete: bool = True, tmp: bool = False) -> Path:
@@ -174,16 +174,15 @@ def test_export_hf_matches_trained_model(driver_run):
 def test_standalone_export_command(driver_run, tiny_model_dir, tmp_path):
     work, _ = driver_run
     out = tmp_path / "exported"
-    subprocess.run([sys.executable, "-m", "tools.export", "--checkpoint",
-                    str(work / "checkpoints" / "step_000004"), "--model", str(tiny_model_dir), "--out", str(out)],
-                   cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, capture_output=True, timeout=300)
+    half = _fake_checkpoint(tmp_path, 9, complete=False)
+    runs = run_scripts({"export": ["-m", "tools.export", "--checkpoint", str(work / "checkpoints" / "step_000004"),
+                                   "--model", str(tiny_model_dir), "--out", str(out)],  # both in one Python process
+                        "half": ["-m", "tools.export", "--checkpoint", str(half), "--model", str(tiny_model_dir),
+                                 "--out", str(tmp_path / "x")]}, tmp_path / "driver")
+    assert runs["export"].returncode == 0, runs["export"].stderr[-3000:]
     ref = torch.load(work / "logp.pt")  # the driver exported step 4's weights
     torch.testing.assert_close(_logp_of(out, ref["ids"]), ref["logp"], rtol=1e-5, atol=1e-5)
-    with pytest.raises(subprocess.CalledProcessError):  # a half-written checkpoint is refused
-        half = _fake_checkpoint(tmp_path, 9, complete=False)
-        subprocess.run([sys.executable, "-m", "tools.export", "--checkpoint", str(half), "--model",
-                        str(tiny_model_dir), "--out", str(tmp_path / "x")], cwd=ROOT, check=True, capture_output=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert runs["half"].returncode != 0  # a half-written checkpoint is refused
 
 
 @pytest.mark.slow

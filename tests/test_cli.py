@@ -1,5 +1,4 @@
 """common.args.cli: --help grouped by section, the same flags and the same parsed Args as a flat tyro.cli."""
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +8,7 @@ import dpo
 import grpo
 import ppo
 from common.args import cli
+from conftest import run_scripts
 
 ARGV = {
     grpo: ["--lr", "0.5", "--group-size", "4", "--no-chat-template", "--fsdp.unit", "layer", "--vllm.sleep-level", "2",
@@ -25,9 +25,17 @@ def test_same_args_as_flat_tyro(script, monkeypatch):
         assert cli(script.Args) == tyro.cli(script.Args, args=argv)
 
 
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory) -> dict:
+    """`python SCRIPT --help` of four scripts, run in one Python process (tests/script_driver.py)."""
+    return run_scripts({s: [s, "--help"] for s in ("grpo.py", "ppo.py", "dpo.py", "rm.py")},
+                       tmp_path_factory.mktemp("help"))
+
+
 @pytest.mark.parametrize("script", ["grpo.py", "ppo.py", "dpo.py", "rm.py"])
-def test_help_is_grouped(script):
-    out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, check=True).stdout
+def test_help_is_grouped(helps, script):
+    assert helps[script].returncode == 0, helps[script].stderr[-2000:]
+    out = helps[script].stdout
     groups = [line.split("─")[1].strip() for line in out.splitlines() if line.startswith("╭─")]
     assert "run options" in groups and "fsdp options" in groups
     if script not in ("dpo.py", "rm.py"):

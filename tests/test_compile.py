@@ -42,11 +42,17 @@ def test_compiled_layers_match_eager_cuda(tiny_model_dir, tmp_path):
     check(run_driver(tiny_model_dir, tmp_path, "cuda"), atol=3e-2, rtol=3e-2)
 
 
-def test_no_stale_parameters_without_resharding_after_forward(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp_results(tiny_model_dir, tmp_path_factory) -> dict:
+    """One run of tests/fsdp_driver.py (a world of one): what the two tests below read."""
+    return run_driver(tiny_model_dir, tmp_path_factory.mktemp("fsdp"), "cpu", "tests/fsdp_driver.py")
+
+
+def test_no_stale_parameters_without_resharding_after_forward(fsdp_results):
     """With reshard_after_forward=False every layer stays gathered after a no-grad pass, and with the whole model
     as one unit (--fsdp.unit model, the default with one rank) the root does; common.fsdp.reshard must free them
     before the optimiser step, or the next pass would compute with the old weights. Same log-probs in all three."""
-    res = run_driver(tiny_model_dir, tmp_path, "cpu", "tests/fsdp_driver.py")
+    res = fsdp_results
     torch.testing.assert_close(res["layer_noraf"], res["layer"], atol=1e-6, rtol=0)
     torch.testing.assert_close(res["model"], res["layer"], atol=1e-6, rtol=0)
     assert res["layer_units"] == 2 + 1  # the tiny model's two decoder layers and the root
@@ -81,10 +87,10 @@ def test_fsdp_keep_gathered_auto(monkeypatch):
     assert not resolve_keep_gathered(FSDPArgs(keep_gathered="off"), model, cuda)
 
 
-def test_frozen_reference_stored_in_compute_dtype(tiny_model_dir, tmp_path):
+def test_frozen_reference_stored_in_compute_dtype(fsdp_results):
     """shard() keeps a frozen model's parameters in the forward's dtype (no fp32 master copy): same log-probs as
     fp32 storage cast by mixed precision; buffers (RoPE's inv_freq) keep their dtype."""
-    frozen = run_driver(tiny_model_dir, tmp_path, "cpu", "tests/fsdp_driver.py")["frozen"]
+    frozen = fsdp_results["frozen"]
     assert frozen["bfloat16_param_dtypes"] == ["torch.bfloat16"]
     assert frozen["float32_param_dtypes"] == ["torch.float32"]
     assert frozen["bfloat16_buffer_dtypes"] == frozen["float32_buffer_dtypes"] == ["torch.float32"]

@@ -1,19 +1,12 @@
 """Issue 17's defects in the rollout engine, the value model, the tokenizer and the preference rows: each test
 failed (or warned) before its fix."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from common.preference import build_pairs
-from conftest import ROOT, torchrun
-
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-       "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-
+from conftest import ROOT, run_scripts, torchrun
 
 # ---- 3. no prompts on a rank -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("logprobs", [True, False])
@@ -74,24 +67,40 @@ print("ok", len(sharded))
 """
 
 
-def test_value_model_returns_no_view_and_right_gradients():
-    p = subprocess.run([sys.executable, "-c", VALUE_DRIVER], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                       timeout=300)
+TOKENIZER_DRIVER = """import sys
+from common.models import load_tokenizer
+t = load_tokenizer(sys.argv[1])
+print(repr(t.batch_decode([t('Hi , there ! ok .')['input_ids']])[0]))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh(tiny_model_dir, tmp_path_factory) -> dict:
+    """The two drivers below, each as a fresh `python driver.py` would run it, in one Python process: the tokenizer
+    first (transformers warns once per process: nothing may have loaded a tokenizer before it), then the value model
+    (a process group of one of its own). The tokenizer it loads: tiny_model_dir's, saved with
+    clean_up_tokenization_spaces=True (as the GGUF conversion writes it)."""
+    from transformers import AutoTokenizer
+    tmp = tmp_path_factory.mktemp("fresh")
+    AutoTokenizer.from_pretrained(tiny_model_dir, clean_up_tokenization_spaces=True).save_pretrained(tmp / "tok")
+    assert json.loads((tmp / "tok" / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is True
+    (tmp / "tokenizer_driver.py").write_text(TOKENIZER_DRIVER)
+    (tmp / "value_driver.py").write_text(VALUE_DRIVER)
+    return run_scripts({"tokenizer": [str(tmp / "tokenizer_driver.py"), str(tmp / "tok")],
+                        "value": [str(tmp / "value_driver.py")]}, tmp / "driver", env={"PYTHONPATH": str(ROOT)})
+
+
+def test_value_model_returns_no_view_and_right_gradients(fresh):
+    p = fresh["value"]
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
     assert "returned a view tensor" not in p.stderr
 
 
 # ---- the clean_up_tokenization_spaces warning ----------------------------------------------------------------------
-def test_load_tokenizer_does_not_warn_about_cleanup(tiny_model_dir, tmp_path):
+def test_load_tokenizer_does_not_warn_about_cleanup(fresh):
     """A BPE tokenizer saved with clean_up_tokenization_spaces=True (as the GGUF conversion writes it) decodes the
     same text as transformers gives it, without the warning transformers prints once per process."""
-    from transformers import AutoTokenizer
-    AutoTokenizer.from_pretrained(tiny_model_dir, clean_up_tokenization_spaces=True).save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is True
-    code = ("import sys; from common.models import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
-            "print(repr(t.batch_decode([t('Hi , there ! ok .')['input_ids']])[0]))")
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=120)
+    p = fresh["tokenizer"]
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == repr("Hi , there ! ok .")  # spaces before punctuation kept
     assert "clean_up_tokenization" not in p.stderr

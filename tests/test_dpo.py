@@ -4,8 +4,6 @@ import gzip
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from common.data import holdout_split
 from common.packing import shard_microbatches
 from common.preference import (Pair, build_pairs, cache_key, cached_reference_logprobs, pairs_from_samples,
                                reference_logprobs, render_pair, split_shared_messages, split_shared_prefix)
-from conftest import torchrun
+from conftest import run_scripts, torchrun
 from dpo import Args, implicit_rewards, pair_losses, preference_loss
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,23 +224,33 @@ def test_pairs_from_samples():
     assert pairs_from_samples([chat], [["a", "b"]], [[1, 0]], templated=False)[0]["prompt"] == "Be brief.\n\nq"
 
 
-def run_make_pairs(tmp_path, model, *flags) -> tuple[list[dict], str]:
-    """python -m tools.make_pairs with a reward of the completion's parity; returns the written rows and stdout."""
-    (tmp_path / "parity_reward.py").write_text(
-        "def reward(prompt, completion, answer):\n    return float(len(completion) % 2)\n")
-    out = tmp_path / "pairs.jsonl"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    p = subprocess.run([sys.executable, "-m", "tools.make_pairs", "--out", str(out), "--model", str(model),
-                        "--samples", "6", "--max-new-tokens", "6", "--reward-fn", "parity_reward:reward",
-                        "--rollout", "hf", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return [json.loads(line) for line in out.read_text().splitlines()], p.stdout
+@pytest.fixture(scope="module")
+def make_pairs(tmp_path_factory, tiny_model_dir) -> dict:
+    """`python -m tools.make_pairs` with a reward of the completion's parity, on the default prompts ("plain") and on
+    verl-shaped chat rows ("chat"), both in one Python process: each case's written rows and stdout."""
+    tmp = tmp_path_factory.mktemp("make_pairs")
+    (tmp / "parity_reward.py").write_text("def reward(prompt, completion, answer):\n    return float(len(completion) % 2)\n")
+    data = tmp / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": CHAT_PROMPT(i), "reward_model": {"ground_truth": str(i + 1)}}) + "\n"
+                            for i in range(4)))
+    flags = {"plain": ["--num-prompts", "6"],
+             "chat": ["--dataset", str(data), "--prompt-field", "prompt", "--answer-field", "reward_model.ground_truth",
+                      "--num-prompts", "4"]}
+    runs = run_scripts({k: ["-m", "tools.make_pairs", "--out", str(tmp / f"{k}.jsonl"), "--model", str(tiny_model_dir),
+                            "--samples", "6", "--max-new-tokens", "6", "--reward-fn", "parity_reward:reward",
+                            "--rollout", "hf", *f] for k, f in flags.items()}, tmp / "driver",
+                       env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp}"})
+    for p in runs.values():
+        assert p.returncode == 0, p.stderr[-3000:]
+    return {k: ([json.loads(line) for line in (tmp / f"{k}.jsonl").read_text().splitlines()], runs[k].stdout)
+            for k in flags}
 
 
-def test_make_pairs_cli(tmp_path, tiny_model_dir, tokenizer):
-    rows, stdout = run_make_pairs(tmp_path, tiny_model_dir, "--num-prompts", "6")
+CHAT_PROMPT = lambda i: [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i} + 1?"}]
+
+
+def test_make_pairs_cli(make_pairs, tokenizer):
+    rows, stdout = make_pairs["plain"]
     assert rows, stdout
     for row in rows:
         assert len(row["chosen"][0]["content"]) % 2 == 1 and len(row["rejected"][0]["content"]) % 2 == 0
@@ -250,15 +258,10 @@ def test_make_pairs_cli(tmp_path, tiny_model_dir, tokenizer):
     assert len(pairs) == len(rows) and dropped == 0
 
 
-def test_make_pairs_from_chat_prompts_and_nested_answers(tmp_path, tiny_model_dir, tokenizer):
+def test_make_pairs_from_chat_prompts_and_nested_answers(make_pairs, tokenizer):
     """verl-shaped rows: the pairs keep each chat prompt as it is (it was str()-ed into one user message)."""
-    chat = lambda i: [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i} + 1?"}]
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"prompt": chat(i), "reward_model": {"ground_truth": str(i + 1)}}) + "\n"
-                            for i in range(4)))
-    rows, _ = run_make_pairs(tmp_path, tiny_model_dir, "--dataset", str(data), "--prompt-field", "prompt",
-                             "--answer-field", "reward_model.ground_truth", "--num-prompts", "4")
-    assert rows and all(row["prompt"] in [chat(i) for i in range(4)] for row in rows), rows[:1]
+    rows, _ = make_pairs["chat"]
+    assert rows and all(row["prompt"] in [CHAT_PROMPT(i) for i in range(4)] for row in rows), rows[:1]
     assert len(build_pairs(rows, tokenizer, max_length=512)[0]) == len(rows)
 
 

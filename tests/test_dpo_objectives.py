@@ -14,7 +14,7 @@ import torch
 import dpo
 from common.dist import Dist
 from common.preference import Pair
-from conftest import ROOT, torchrun
+from conftest import ROOT, run_scripts
 from dpo import Args, pair_losses, preference_loss
 
 t = lambda *x: torch.tensor(x, dtype=torch.float64)
@@ -183,13 +183,15 @@ def test_new_losses_end_to_end_cpu(tmp_path, tiny_model_dir):
     data.write_text("".join(json.dumps({"prompt": f"{i} + {i} =", "chosen": f" {2 * i}.", "rejected": " no" + "!" * i})
                             + "\n" for i in range(12)))
     eps = 1e-3
-    for loss, at_start in (("sigmoid_norm", math.log(2)),
-                           ("exo_pair", math.log(0.5) - 0.5 * math.log(eps * (1 - eps)))):
+    starts = {"sigmoid_norm": math.log(2), "exo_pair": math.log(0.5) - 0.5 * math.log(eps * (1 - eps))}
+    runs = run_scripts({loss: [  # both in one Python process
+        "dpo.py", "--model", str(tiny_model_dir), "--dataset", str(data), "--loss", loss, "--label-smoothing",
+        str(eps if loss == "exo_pair" else 0.0), "--pairs-per-step", "4", "--num-steps", "2", "--eval-every", "0",
+        "--max-length", "64", "--max-tokens-per-microbatch", "256", "--lr", "1e-2", "--out-dir", str(tmp_path / loss),
+        "--cache-dir", str(tmp_path / "cache")] for loss in starts}, tmp_path / "driver")
+    for loss, at_start in starts.items():
         out = tmp_path / loss
-        torchrun("dpo.py", "--model", str(tiny_model_dir), "--dataset", str(data), "--loss", loss,
-                 "--label-smoothing", str(eps if loss == "exo_pair" else 0.0), "--pairs-per-step", "4",
-                 "--num-steps", "2", "--eval-every", "0", "--max-length", "64", "--max-tokens-per-microbatch", "256",
-                 "--lr", "1e-2", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), nproc=1)
+        assert runs[loss].returncode == 0, runs[loss].stderr[-3000:]
         rows = [json.loads(x) for x in (out / "dpo" / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if "train/loss" in r]
         assert [r["step"] for r in train] == [0, 1]

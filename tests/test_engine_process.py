@@ -228,6 +228,7 @@ def test_a_share_of_a_batch_gets_the_request_seeds_it_has_in_the_whole_batch():
         request_seeds(5, 0, 10, 8, first=-1)
 
 
+@pytest.mark.slow  # several engine processes (tests/README.md, rule 4)
 def test_several_engines_split_the_prompts_refit_together_and_answer_in_order(tiny_model_dir, tmp_path):
     """--vllm.num-engines 2: each child generates a contiguous share, told its place in the batch (first_request:
     vLLM's request seeds follow it; the HF engine draws from a stream of its own), the rollout keeps the prompts'
@@ -276,6 +277,7 @@ def test_several_engines_split_the_prompts_refit_together_and_answer_in_order(ti
     assert all(p.exitcode == 0 for p in two._procs)
 
 
+@pytest.mark.slow  # several engine processes (tests/README.md, rule 4)
 def test_an_error_in_one_engine_of_several_keeps_the_pipes_in_step(tiny_model_dir):
     two = E.EngineProcess("hf", str(tiny_model_dir), replace(resolved(), num_engines=2), 64, 0, 0, [], None)
     try:
@@ -286,6 +288,7 @@ def test_an_error_in_one_engine_of_several_keeps_the_pipes_in_step(tiny_model_di
         two.close()
 
 
+@pytest.mark.slow  # several engine processes (tests/README.md, rule 4)
 def test_several_engines_start_side_by_side_and_build_one_at_a_time(tiny_model_dir, tmp_path, monkeypatch):
     """Every child exists (its imports under way) before the first engine is built; engine k + 1 is told to build
     only once engine k is up (vLLM measures free GPU memory while it builds); when one build fails, the children

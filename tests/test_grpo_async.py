@@ -3,15 +3,13 @@ exactly; with it on, step t's rollout is the one the weights of one refit ago ge
 engine's (behaviour) log-prob, rollout/staleness is logged, and a 3-step run stays finite."""
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import grpo_async
-from conftest import ROOT, recipe_flags, torchrun
+from conftest import ROOT, recipe_flags, run_scripts
 
 # a tiny deterministic CPU run; one mini-batch, so grpo.py's pi_old is pi.detach() (ratio 1, clip fraction 0)
 TINY = ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
@@ -21,10 +19,8 @@ TINY = ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--m
         "--engine-logprobs-every", "1"]
 
 
-def run(script, model, out, name, *extra):
-    """Run `script` on one rank with TINY and `extra` (later flags win); its metrics rows and samples by step."""
-    torchrun(script, "--model", str(model), *TINY, *extra, "--out-dir", str(out), "--exp-name", name, nproc=1,
-             timeout=300)
+def read_run(out, name):
+    """A run's metrics rows (of the steps that trained) and its samples by step."""
     rows = [json.loads(line) for line in open(out / name / "metrics.jsonl")]
     samples = {}
     for line in open(out / name / "samples.jsonl"):
@@ -35,22 +31,23 @@ def run(script, model, out, name, *extra):
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """The runs the slow tests read: grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
+    """The runs the slow tests read, each on one rank with TINY and its own flags (later flags win), all in one Python
+    process (tests/script_driver.py): grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
     weights stay those of step 0 at every step); on for 3 steps, the engine in the trainer's process (a thread);
     on for 3 steps with the defaults: the engine in a process of its own (step 1 profiled); with pi_old scored by the
     trainer (--behaviour-logp trainer); on for 3 steps with two engine processes (--vllm.num-engines 2)."""
     out = tmp_path_factory.mktemp("async")
-    return {"grpo": run("grpo.py", tiny_model_dir, out, "grpo"),
-            "off": run("grpo_async.py", tiny_model_dir, out, "off", "--no-async-rollout"),
-            "on": run("grpo_async.py", tiny_model_dir, out, "on", "--num-steps", "3", "--vllm.no-own-process"),
-            "frozen": run("grpo_async.py", tiny_model_dir, out, "frozen", "--no-async-rollout", "--lr", "0",
-                          "--num-steps", "3"),
-            "process": run("grpo_async.py", tiny_model_dir, out, "process", "--num-steps", "3",  # the default
-                           "--profile-step", "1"),
-            "trainer": run("grpo_async.py", tiny_model_dir, out, "trainer", "--num-steps", "3", "--behaviour-logp",
-                           "trainer", "--vllm.no-own-process"),
-            "engines2": run("grpo_async.py", tiny_model_dir, out, "engines2", "--num-steps", "3",
-                            "--vllm.num-engines", "2"), "dir": out}
+    cases = {"grpo": ("grpo.py",), "off": ("grpo_async.py", "--no-async-rollout"),
+             "on": ("grpo_async.py", "--num-steps", "3", "--vllm.no-own-process"),
+             "frozen": ("grpo_async.py", "--no-async-rollout", "--lr", "0", "--num-steps", "3"),
+             "process": ("grpo_async.py", "--num-steps", "3", "--profile-step", "1"),  # the default
+             "trainer": ("grpo_async.py", "--num-steps", "3", "--behaviour-logp", "trainer", "--vllm.no-own-process"),
+             "engines2": ("grpo_async.py", "--num-steps", "3", "--vllm.num-engines", "2")}
+    results = run_scripts({name: [script, "--model", str(tiny_model_dir), *TINY, *extra, "--out-dir", str(out),
+                                  "--exp-name", name] for name, (script, *extra) in cases.items()}, out / "driver")
+    for name, p in results.items():
+        assert p.returncode == 0, f"{name}: {p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    return {name: read_run(out, name) for name in cases} | {"dir": out}
 
 
 @pytest.mark.slow
@@ -174,11 +171,26 @@ def test_ratio_divides_by_the_behaviour_log_probs():
     assert float(on_policy.detach()) == pytest.approx(-1.0)
 
 
-@pytest.mark.parametrize("flag", [["--tis-cap", "2"], ["--dynamic-sampling", "--dynamic-sampling-max-rounds", "2"]])
-def test_async_rejects_flags_it_cannot_honour(tiny_model_dir, tmp_path, flag):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    p = subprocess.run([sys.executable, "grpo_async.py", "--model", str(tiny_model_dir), *TINY, *flag,
-                        "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+REFUSED = {"tis": ["--tis-cap", "2"], "dynamic": ["--dynamic-sampling", "--dynamic-sampling-max-rounds", "2"]}
+
+
+@pytest.fixture(scope="module")
+def refusals(tiny_model_dir, tmp_path_factory):
+    """grpo_async.py's command lines that must stop at its flag checks, in one Python process: each flag it refuses
+    with --async-rollout (REFUSED), and the async recipe's whole command line with a model file that does not exist."""
+    out = tmp_path_factory.mktemp("refusals")
+    argv = (recipe_flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')
+            + recipe_flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
+    argv = [str(out / "no-such-model.gguf") if a == "$MODEL" else str(out / "data") if a == "$DATA" else
+            str(out / "out") if a == "$OUT_DIR" else a for a in argv]
+    cases = {name: ["grpo_async.py", "--model", str(tiny_model_dir), *TINY, *flag, "--out-dir", str(out / name)]
+             for name, flag in REFUSED.items()} | {"recipe": ["grpo_async.py", *argv]}
+    return run_scripts(cases, out / "driver")
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_async_rejects_flags_it_cannot_honour(refusals, name):
+    p, flag = refusals[name], REFUSED[name]
     assert p.returncode != 0
     assert "--async-rollout takes no" in p.stderr and flag[-2] in p.stderr and "--no-async-rollout" in p.stderr
 
@@ -210,18 +222,11 @@ def test_recipe_is_the_synchronous_recipe_with_the_script_swapped(monkeypatch):
     assert (sync["rollout"], sync["num_steps"], sync["vllm"]["sleep_level"]) == ("vllm", 100, 0)
 
 
-def test_the_async_recipes_flags_pass_the_scripts_checks(tmp_path):
+def test_the_async_recipes_flags_pass_the_scripts_checks(refusals):
     """The recipe's whole command line (the synchronous recipe's flags + its own) gets past grpo_async.py's flag checks
     and stops only at the model file, which does not exist here (a recipe flag the script refuses would stop it
     first: the synchronous recipe's --tis-cap 2.0, which --async-rollout refuses, once did)."""
-    argv = (recipe_flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')
-            + recipe_flags("grpo_async_gsm8k_qwen05b.sh", "exec bash runs/grpo_gsm8k_qwen05b.sh"))
-    missing = tmp_path / "no-such-model.gguf"
-    argv = [str(missing) if a == "$MODEL" else str(tmp_path / "data") if a == "$DATA" else
-            str(tmp_path / "out") if a == "$OUT_DIR" else a for a in argv]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    p = subprocess.run([sys.executable, "grpo_async.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = refusals["recipe"]  # the command line: the fixture's
     assert p.returncode != 0
     assert "--async-rollout takes no" not in p.stderr, p.stderr[-2000:]
     assert "no-such-model.gguf" in p.stderr, p.stderr[-2000:]

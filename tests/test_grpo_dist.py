@@ -9,20 +9,29 @@ import torch
 from conftest import torchrun
 
 
+SPLITS = {"1rank_1micro": (1, 4096, "off", "auto"), "1rank_4micro": (1, 14, "off", "auto"),
+          "2rank_micro": (2, 14, "off", "auto"), "2rank_micro_keep": (2, 14, "on", "auto"),
+          "2rank_micro_keep_layer": (2, 14, "on", "layer")}
+
+
+@pytest.fixture(scope="module")
+def split_grads(tiny_model_dir, tmp_path_factory):
+    """tests/grad_split_driver.py's gradients for every SPLITS setting and both loss aggregations: one launch on one
+    rank, one on two (each setting shards a fresh copy of the model)."""
+    out = tmp_path_factory.mktemp("grad_split")
+    for nproc in (1, 2):
+        settings = [f"{name}-{agg}:{budget}:{agg}:{keep}:{unit}" for name, (n, budget, keep, unit) in SPLITS.items()
+                    for agg in ("token-mean", "seq-mean-token-mean") if n == nproc]
+        torchrun("tests/grad_split_driver.py", str(tiny_model_dir), str(out), *settings, nproc=nproc)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
-def test_gradient_independent_of_microbatches_and_ranks(tiny_model_dir, tmp_path, loss_agg):
+def test_gradient_independent_of_microbatches_and_ranks(split_grads, loss_agg):
     """Same gradient for one micro-batch, several, and several on each of two ranks, with the parameters kept
     gathered between micro-batches (--fsdp.keep-gathered on: no all-gather after the first) or not."""
-    runs = {"1rank_1micro": (1, 4096, "off", "auto"), "1rank_4micro": (1, 14, "off", "auto"),
-            "2rank_micro": (2, 14, "off", "auto"), "2rank_micro_keep": (2, 14, "on", "auto"),
-            "2rank_micro_keep_layer": (2, 14, "on", "layer")}
-    res = {}
-    for name, (nproc, budget, keep, unit) in runs.items():
-        out = tmp_path / f"{name}.pt"
-        torchrun("tests/grad_split_driver.py", str(tiny_model_dir), str(budget), loss_agg, str(out), keep, unit,
-                 nproc=nproc)
-        res[name] = torch.load(out)
+    res = {name: torch.load(split_grads / f"{name}-{loss_agg}.pt") for name in SPLITS}
     assert res["1rank_1micro"]["micro_rank0"] == 1
     assert res["1rank_4micro"]["micro_rank0"] >= 4
     n = res["2rank_micro_keep"]["micro_rank0"]
@@ -98,6 +107,7 @@ def test_end_to_end_two_ranks(tiny_model_dir, tmp_path):
     assert re.search(r"FSDP unit +model", p.stdout)  # two ranks, kept gathered: per-layer units would only cost
 
 
+@pytest.mark.slow
 def test_two_ranks_each_with_two_engine_processes(tiny_model_dir, tmp_path):
     """--vllm.own-process --vllm.num-engines 2 on two ranks: each rank's two children sample its prompts, every refit
     reaches all four (the engines' log-probs stay those of the trainer's weights after each update: a child left on
@@ -141,11 +151,14 @@ def test_engine_processes_under_ppo_lora_and_episodes(tiny_model_dir, tmp_path, 
 @pytest.mark.slow
 def test_learning_toy_task(tiny_model_dir, tmp_path):
     """Mean reward rises under grpo.py on a task a random tiny model can learn (fraction of letters a-m; top-k
-    sampling keeps the candidate set small enough for a few steps to matter). Seeded."""
+    sampling keeps the candidate set small enough for a few steps to matter): the mean of the last 3 steps beats the
+    first 2 by more than 0.1. --seed 1 --deterministic, one rank: the same run every time on a machine. The rise over
+    seeds 1-5 with these flags (2-core CPU, 2026-12-06): 0.258, 0.287, 0.197, 0.169, 0.219 (smallest 0.169)."""
     torchrun("grpo.py", "--model", str(tiny_model_dir), "--reward-fn", "tests.toy_reward:a_to_m",
              "--num-steps", "8", "--prompts-per-step", "4", "--group-size", "8", "--max-new-tokens", "8",
              "--lr", "1e-2", "--top-k", "10", "--eval-every", "0", "--out-dir", str(tmp_path), "--exp-name", "learn",
-             "--dataset", "arith", "--temperature", "1.0", nproc=1)  # the flags of the pre-quick-start defaults
+             "--dataset", "arith", "--temperature", "1.0", "--seed", "1", "--deterministic",
+             nproc=1)  # the flags of the pre-quick-start defaults
     rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "learn")]
     assert len(rewards) == 8
     first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3

@@ -35,6 +35,7 @@ def logp_of(model, mb) -> torch.Tensor:
         return TokenLogProbs(model, "torch")(mb["input_ids"], mb["position_ids"], mb["targets"])[0]
 
 
+@pytest.mark.slow
 def test_only_adapters_train_and_everything_is_sharded(fp32):
     _, r = fp32
     params = r["params"]
@@ -52,6 +53,7 @@ def test_only_adapters_train_and_everything_is_sharded(fp32):
     assert r["checkpoint_keys"] == sorted(adapters)  # a checkpoint holds what trains
 
 
+@pytest.mark.slow
 def test_reference_is_the_base_model(fp32):
     _, r = fp32
     torch.testing.assert_close(r["ref_logp"], r["base_logp"], rtol=0, atol=1e-6)
@@ -59,6 +61,7 @@ def test_reference_is_the_base_model(fp32):
     assert torch.equal(r["policy_logp_after_ref"], r["policy_logp"])  # and they are back on after the reference
 
 
+@pytest.mark.slow
 def test_merged_refit_stream_is_peft_merge_and_unload(fp32, tiny_model_dir):
     from peft import get_peft_model, set_peft_model_state_dict
     _, r = fp32
@@ -76,6 +79,7 @@ def test_merged_refit_stream_is_peft_merge_and_unload(fp32, tiny_model_dir):
     assert len(moved) == 14  # every adapted linear layer (7 per layer, 2 layers) changed; nothing else
 
 
+@pytest.mark.slow
 def test_exports_load_in_transformers_with_the_policys_logprobs(fp32):
     from transformers import AutoModelForCausalLM
     out, r = fp32
@@ -88,6 +92,7 @@ def test_exports_load_in_transformers_with_the_policys_logprobs(fp32):
         torch.testing.assert_close(logp_of(model.float().eval(), r["mb"]), r["policy_logp"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_base_trains_and_the_reference_is_the_base(tiny_model_dir, tmp_path):
     r = run_driver(tiny_model_dir, tmp_path / "bf16", "bfloat16")
     dtypes = {n: p["dtype"] for n, p in r["params"].items()}
@@ -133,6 +138,9 @@ def saved_keys(ckpt: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_sft_lora_resumes_exactly_and_exports_adapters(tiny_model_dir, tmp_path):
+    """--deterministic, seed 1: the adapters learn (train loss of step 3 below step 0's; over seeds 1-3 on a 2-core
+    CPU, 2026-12-06, it fell 0.161, 0.156, 0.157 from 10.77), the checkpoint holds the adapters only, resume is exact
+    and the export is an adapter folder."""
     base = ["--model", str(tiny_model_dir), "--dataset", str(GSM8K), "--sequences-per-step", "8", "--num-steps", "4",
             "--eval-fraction", "0.2", "--max-tokens-per-microbatch", "512", "--max-length", "256", "--lr", "1e-2",
             "--deterministic", "--save-every", "2", "--eval-every", "0", "--lora.rank", "4", "--lora.alpha", "8"]

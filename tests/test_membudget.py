@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from common.membudget import CEILING, CPU_BUDGET, activation_bytes_per_token, budget_from_memory
-from conftest import torchrun
+from conftest import run_scripts, torchrun
 
 GiB = 2**30
 QWEN05 = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -55,14 +55,26 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-@pytest.mark.parametrize("flag", [[], ["--max-tokens-per-microbatch", "512"]], ids=["auto", "explicit"])
-def test_grpo_cpu_budget_in_metrics(tiny_model_dir, tmp_path, flag):
+FLAGS = {"auto": [], "explicit": ["--max-tokens-per-microbatch", "512"]}
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tiny_model_dir, tmp_path_factory):
+    """The two grpo.py runs below, one step each on one rank, in one Python process (tests/script_driver.py)."""
+    out = tmp_path_factory.mktemp("membudget")
+    return out, run_scripts({name: ["grpo.py", "--model", str(tiny_model_dir), "--num-steps", "1", "--prompts-per-step",
+                                    "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "0", "--out-dir",
+                                    str(out), "--exp-name", name, *flag] for name, flag in FLAGS.items()}, out / "driver")
+
+
+@pytest.mark.parametrize("name", list(FLAGS))
+def test_grpo_cpu_budget_in_metrics(grpo_runs, name):
     """A real grpo.py run, 1 step on CPU: auto resolves to the CPU budget, logged at step 0 and in the table; an
     explicit value is used as given and logs nothing."""
-    p = torchrun("grpo.py", "--model", str(tiny_model_dir), "--num-steps", "1", "--prompts-per-step", "2",
-                 "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "0", "--out-dir", str(tmp_path),
-                 "--exp-name", "r", *flag, nproc=1)
-    rows = [r for r in read_metrics(tmp_path / "r") if "reward/mean" in r]
+    out, results = grpo_runs
+    p, flag = results[name], FLAGS[name]
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [r for r in read_metrics(out / name) if "reward/mean" in r]
     assert len(rows) == 1
     if flag:
         assert "perf/max_tokens_per_microbatch" not in rows[0]
@@ -72,6 +84,7 @@ def test_grpo_cpu_budget_in_metrics(tiny_model_dir, tmp_path, flag):
         assert "auto (resolved at the first update)" in p.stdout
 
 
+@pytest.mark.slow
 def test_two_ranks_take_the_minimum(tmp_path):
     out = tmp_path / "budget"
     torchrun("tests/membudget_driver.py", str(out), nproc=2)

@@ -269,6 +269,7 @@ D.cleanup()
 """
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_see_the_run_folder_is_named(tmp_path):
     (tmp_path / "shared").mkdir()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -64,13 +64,16 @@ def test_declared_distributions_follow_requirements(tmp_path):
 
 
 def test_ci_runs_the_readme_commands():
-    """.ci/run installs exactly what the README's quick start installs and runs the README's test command."""
+    """.ci/run installs exactly what the README's quick start installs and runs the README's full-suite test command
+    (the README shows the default tier first, then the full suite: tests/test_tiers.py)."""
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
     install = next(line for b in blocks for line in b.splitlines() if "pip install -r requirements.txt" in line)
-    test_cmd = next(line for b in blocks for line in b.splitlines() if "pytest tests" in line)
+    tests = [line.split("#")[0].strip() for b in blocks for line in b.splitlines() if "pytest tests" in line]
+    full = 'python -m pytest tests -q -m "slow or not slow"'
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert install.strip() in ci and test_cmd.strip() in ci, (install, test_cmd)
+    assert install.strip() in ci and full in tests and full in ci, (install, tests)
+    assert [line for line in ci if "pytest" in line] == [full]  # the full suite and nothing else
     assert not [line for line in ci if "pip install" in line and line != install.strip()]  # nothing installed besides
 
 

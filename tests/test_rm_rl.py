@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import torchrun
+from conftest import run_scripts, torchrun
 
 
 def rows_of(run_dir) -> list[dict]:
@@ -14,11 +14,24 @@ def rows_of(run_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def rm_export(tmp_path_factory, tiny_model_dir):
+def one_rank(tmp_path_factory, tiny_model_dir):
+    """In one Python process: an rm.py export, then ppo.py scored by it alone (test_ppo_with_reward_model_alone)."""
     out = tmp_path_factory.mktemp("rm")
-    torchrun("rm.py", "--model", str(tiny_model_dir), "--num-steps", "1", "--eval-every", "0", "--lr", "1e-3",
-             "--out-dir", str(out / "runs"), "--export-hf", str(out / "hf"), nproc=1)
-    return out / "hf"
+    runs = run_scripts({
+        "rm": ["rm.py", "--model", str(tiny_model_dir), "--num-steps", "1", "--eval-every", "0", "--lr", "1e-3",
+               "--out-dir", str(out / "runs"), "--export-hf", str(out / "hf")],
+        "ppo": ["ppo.py", "--model", str(tiny_model_dir), "--reward-model", str(out / "hf"), "--rule-coef", "0",
+                "--reward-fn", "tests.toy_reward:letters", "--num-steps", "2", "--max-new-tokens", "8",
+                "--prompts-per-step", "4", "--eval-every", "0", "--no-chat-template", "--out-dir", str(out),
+                "--exp-name", "ppo_rm"]}, out / "driver")
+    for p in runs.values():
+        assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def rm_export(one_rank):
+    return one_rank / "hf"
 
 
 @pytest.mark.slow
@@ -44,12 +57,8 @@ def test_grpo_with_reward_model(tiny_model_dir, rm_export, tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_with_reward_model_alone(tiny_model_dir, rm_export, tmp_path):
-    torchrun("ppo.py", "--model", str(tiny_model_dir), "--reward-model", str(rm_export), "--rule-coef", "0",
-             "--reward-fn", "tests.toy_reward:letters", "--num-steps", "2", "--max-new-tokens", "8",
-             "--prompts-per-step", "4", "--eval-every", "0", "--no-chat-template", "--out-dir", str(tmp_path),
-             "--exp-name", "ppo_rm", nproc=1)
-    rows = rows_of(tmp_path / "ppo_rm")
+def test_ppo_with_reward_model_alone(one_rank):
+    rows = rows_of(one_rank / "ppo_rm")  # the run: the fixture's
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:  # --rule-coef 0: the reward is the RM's score
         assert r["reward/mean"] == pytest.approx(r["reward/rm_mean"], abs=1e-5) and r["reward/rule_mean"] > 0

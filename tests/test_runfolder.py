@@ -18,12 +18,11 @@ import common.run_dir as R
 from common.stop import STOPPED_EXIT_CODE
 from common.tracking import Tracker
 from conftest import ROOT
-from smollm_tiny import make_tiny_smollm
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_smollm(tmp_path_factory.mktemp("smollm") / "model")
+def tiny(tiny_smollm):
+    return tiny_smollm  # conftest's, made once per session
 
 
 def dead_pid() -> int:

@@ -14,8 +14,7 @@ from common.chat import GENERATION_BLOCK, build_examples, tokenize_messages
 from common.data import build_prompts
 from common.models import TokenLogProbs, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from common.packing import pack_masked
-from conftest import torchrun
-from smollm_tiny import make_tiny_smollm
+from conftest import run_scripts, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 GSM8K = ROOT / "tests" / "data" / "gsm8k_tiny.jsonl"
@@ -33,11 +32,6 @@ GENERATION_TEMPLATE = (
 REWRITING_TEMPLATE = GENERATION_TEMPLATE.replace(
     "m['content'] + '<|im_end|>' }}{% endgeneration %}",
     "(m['content'] if loop.last else m['content'].split('\\n')[-1]) + '<|im_end|>' }}{% endgeneration %}")
-
-
-@pytest.fixture(scope="session")
-def tiny_smollm(tmp_path_factory) -> Path:
-    return make_tiny_smollm(tmp_path_factory.mktemp("smollm") / "model")
 
 
 @pytest.fixture
@@ -129,12 +123,14 @@ def test_system_prompt_and_template_kwargs_give_the_rl_prompt(tok, tiny_smollm, 
 def test_sft_flags_system_prompt_and_template_kwargs(tmp_path, tiny_smollm):
     """sft.py's flags reach the data: a bad --chat-template-kwargs stops the run before the model loads, and a system
     prompt longer than --max-length leaves no conversation to train on."""
-    base = ["--model", str(tiny_smollm), "--dataset", str(GSM8K), "--num-steps", "1", "--eval-every", "0",
+    base = ["sft.py", "--model", str(tiny_smollm), "--dataset", str(GSM8K), "--num-steps", "1", "--eval-every", "0",
             "--max-length", "256", "--max-tokens-per-microbatch", "512", "--out-dir", str(tmp_path)]
-    p = torchrun("sft.py", *base, "--chat-template-kwargs", "[1]", nproc=1, check=False)
+    runs = run_scripts({"kwargs": [*base, "--chat-template-kwargs", "[1]"],  # one Python process for both
+                        "system": [*base, "--overwrite", "--system-prompt", "Show every step. " * 80]}, tmp_path / "d")
+    p = runs["kwargs"]
     assert p.returncode != 0 and "--chat-template-kwargs '[1]' is a JSON list: give an object" in p.stderr
     assert "batch geometry" not in p.stdout
-    p = torchrun("sft.py", *base, "--overwrite", "--system-prompt", "Show every step. " * 80, nproc=1, check=False)
+    p = runs["system"]
     assert p.returncode != 0 and "than the 0 train conversations" in p.stderr, p.stderr[-2000:]
 
 
@@ -227,6 +223,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_sft_cpu_two_ranks_loss_falls_resume_exact_export_loads(tmp_path, tiny_smollm):
+    """2 ranks, --deterministic, seed 1: the held-out loss falls by more than 1.0 in 4 steps; over seeds 1-3 (2-core
+    CPU, 2026-12-06) it fell 2.105, 2.140, 1.993 (10.79 -> 8.68 at seed 1) and the train loss 10.78 -> 8.92, 8.92,
+    9.11. Then resume is exact and the export is the trained model."""
     base = ["--model", str(tiny_smollm), "--dataset", str(GSM8K), "--sequences-per-step", "8", "--num-steps", "4",
             "--eval-fraction", "0.2", "--max-new-tokens", "8", "--max-tokens-per-microbatch", "512", "--max-length",
             "256", "--lr", "1e-2", "--deterministic", "--save-every", "2"]
@@ -275,10 +274,11 @@ def test_sft_cpu_two_ranks_loss_falls_resume_exact_export_loads(tmp_path, tiny_s
 @pytest.mark.slow
 def test_sft_default_smollm2_lowers_the_loss(tmp_path):
     """The default model (SmolLM2-135M-Instruct from the pip GGUF) on GSM8K-shaped rows: 3 steps lower the held-out
-    loss."""
+    loss by more than 0.1. --seed 1 --deterministic, one rank; over seeds 1-3 (2-core CPU, 2026-12-06) it fell
+    0.445 (0.976 -> 0.530), 0.399, 0.414."""
     torchrun("sft.py", "--dataset", str(GSM8K), "--sequences-per-step", "4", "--num-steps", "3", "--eval-every", "3",
              "--eval-fraction", "0.1", "--eval-accuracy-size", "0", "--lr", "2e-5", "--out-dir", str(tmp_path),
-             nproc=1, timeout=900)
+             "--seed", "1", "--deterministic", nproc=1, timeout=900)
     evals = [r for r in read_metrics(tmp_path / "sft") if "eval/loss" in r]
     assert [r["step"] for r in evals] == [0, 3]
     assert evals[1]["eval/loss"] < evals[0]["eval/loss"] - 0.1, evals
@@ -287,12 +287,14 @@ def test_sft_default_smollm2_lowers_the_loss(tmp_path):
 @pytest.mark.slow
 def test_export_is_grpo_model(tmp_path, tiny_smollm):
     """sft.py's --export-hf folder is grpo.py's --model as it is: one GRPO step from it runs and evaluates."""
-    torchrun("sft.py", "--model", str(tiny_smollm), "--dataset", str(GSM8K), "--sequences-per-step", "4",
-             "--num-steps", "1", "--eval-every", "0", "--out-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf"),
-             nproc=1)
-    torchrun("grpo.py", "--model", str(tmp_path / "hf"), "--dataset", str(GSM8K), "--num-steps", "1",
-             "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-every", "1",
-             "--eval-size", "2", "--rollout", "hf", "--out-dir", str(tmp_path), nproc=1)
+    runs = run_scripts({  # one Python process, sft.py then grpo.py
+        "sft": ["sft.py", "--model", str(tiny_smollm), "--dataset", str(GSM8K), "--sequences-per-step", "4",
+                "--num-steps", "1", "--eval-every", "0", "--out-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf")],
+        "grpo": ["grpo.py", "--model", str(tmp_path / "hf"), "--dataset", str(GSM8K), "--num-steps", "1",
+                 "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-every", "1",
+                 "--eval-size", "2", "--rollout", "hf", "--out-dir", str(tmp_path)]}, tmp_path / "driver")
+    for p in runs.values():
+        assert p.returncode == 0, p.stderr[-3000:]
     rows = read_metrics(tmp_path / "grpo")
     assert [r["step"] for r in rows if "reward/mean" in r] == [0] and "eval/accuracy" in rows[-1]
     assert json.loads((tmp_path / "grpo" / "config.json").read_text())["model_path"] == str(tmp_path / "hf")

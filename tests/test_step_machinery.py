@@ -124,6 +124,7 @@ def test_shard_plan_table():
     assert "sum over ranks" in rows["gradient reduction"]
 
 
+@pytest.mark.slow
 def test_copy_params_fills_a_frozen_bf16_copy_across_ranks(tiny_model_dir, tmp_path):
     """common.fsdp.copy_params on 2 ranks: after it, the frozen bf16 copy's full tensors are exactly the policy's
     cast to bf16, whether the policy's parameters were resharded or left gathered by a forward (tests/

@@ -11,12 +11,11 @@ import sys
 import pytest
 
 from conftest import ROOT
-from smollm_tiny import make_tiny_smollm
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_smollm(tmp_path_factory.mktemp("smollm") / "model")
+def tiny(tiny_smollm):
+    return tiny_smollm  # conftest's, made once per session
 
 
 def wandb_records(path):

@@ -76,8 +76,9 @@ runpy.run_path("bench/long_response.py", run_name="__main__")
     assert [r["model_build"] for r in rows[0::3]] == [1, 2, 3, 4]  # built anew after each OOM (and for checkpointing)
     for r in rows[0::3]:  # measured
         assert r["trained_tokens"] == r["response_tokens"]  # every response token in grpo.py's loss, no prompt token
-        assert r["step_s"] > 0 and len(r["steps_s"]) == 1 and r["tokens_per_s"] == pytest.approx(
-            r["tokens"] / r["step_s"], rel=1e-3)
+        assert r["step_s"] > 0 and len(r["steps_s"]) == 1
+        lo, hi = r["step_s"] - 5e-5, r["step_s"] + 5e-5  # step_s is rounded to 0.1 ms, tokens_per_s to 0.1
+        assert r["tokens"] / hi - 0.05 <= r["tokens_per_s"] <= r["tokens"] / lo + 0.05
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
     for r in rows[1::3]:
         assert r["why"].startswith("OutOfMemoryError: CUDA out of memory")

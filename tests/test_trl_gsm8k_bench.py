@@ -262,7 +262,9 @@ def test_the_queue_runs_trl_evaluates_its_checkpoints_and_pairs_the_step_times(m
     evaluations read the checkpoints the TRL run writes, with the recipe's evaluation flags and no training."""
     from common.engine_process import check_engine_args
     jobs = queue_jobs(monkeypatch)
-    assert set(jobs) == {"trl40", "trleval20", "trleval40", "tgrpo", "ttrl"}
+    assert set(jobs) == {"grpo40", "trl40", "trleval20", "trleval40", "tgrpo", "ttrl"}
+    g40_script, g40, _ = jobs["grpo40"]  # grpo.py's side of the learning comparison: the recipe, 40 steps
+    assert g40_script is grpo and (g40.num_steps, g40.eval_every, g40.eval_size, g40.save_every) == (40, 20, 1319, 0)
     trl_script, trl, trl_cmd = jobs["trl40"]
     assert trl_script is T and "PYTHONPATH=/tmp/peers:$PYTHONPATH" in trl_cmd and "/tmp/assets/whl/*.whl" in trl_cmd
     assert (trl.num_steps, trl.save_every, T.unsupported(trl)) == (40, 20, [])

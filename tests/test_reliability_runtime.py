@@ -306,7 +306,8 @@ def test_pair_scripts_num_epochs_zero_evaluates(tiny_model_dir, tmp_path, script
     is an evaluation of the model: eval/* at step 0, no checkpoint, even with --eval-every 0."""
     data = {"sft.py": ["--dataset", str(ROOT / "tests" / "data" / "gsm8k_tiny.jsonl"), "--sequences-per-step", "2",
                        "--eval-size", "4", "--eval-accuracy-size", "2", "--max-new-tokens", "4", "--max-length", "512"]
-            }.get(script, ["--max-length", "128"])
+            }.get(script, ["--dataset", str(ROOT / "tests" / "data" / "hh-rlhf-harmless" / "test.jsonl.gz"),
+                           "--max-length", "128"])  # 20 pairs: dpo's reference pass covers every pair
     p = run_script(script, "--model", str(tiny_model_dir), "--exp-name", "e", "--num-steps", "0", "--num-epochs", "0",
                    "--eval-every", "0", *data, tmp_path=tmp_path)
     assert "--num-epochs 0: evaluating the model only" in p.stdout

@@ -59,3 +59,58 @@ def test_reference_pages_stay_within_their_size():
     assert all(sizes.values())
     over = {name: f"{size} > {SIZE_LIMITS[name]} bytes" for name, size in sizes.items() if size > SIZE_LIMITS[name]}
     assert not over, f"pages over their size limit (cut what is not true now, or move a detail to its results README): {over}"
+
+
+DOCS_TOTAL_LIMIT = 150_000  # bytes of docs/*.md (the reference pages; docs/results/ READMEs are the raw results')
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_the_reference_pages_together_stay_short():
+    total = sum(len(p.read_bytes()) for p in (ROOT / "docs").glob("*.md"))
+    assert 0 < total <= DOCS_TOTAL_LIMIT, f"docs/*.md hold {total} bytes (at most {DOCS_TOTAL_LIMIT})"
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors of a markdown page: lower case, punctuation dropped, spaces to hyphens, -1, -2 for
+    repeats."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", strip_code(page.read_text()), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def strip_code(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # fenced blocks: commands, not links
+
+
+def broken_links(root: Path) -> list[str]:
+    """Every relative link of README.md and docs/*.md that names no file, or a heading its page does not have."""
+    bad = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for target in LINK.findall(strip_code(doc.read_text())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                bad.append(f"{doc.relative_to(root)}: {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                bad.append(f"{doc.relative_to(root)}: {target}: no such heading")
+    return bad
+
+
+def test_readme_and_docs_links_resolve():
+    assert not broken_links(ROOT)
+
+
+def test_the_link_check_catches_a_missing_file_and_heading(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A page\n## The `--sp-size` flag\n## Notes\n## Notes\n")
+    (tmp_path / "README.md").write_text("[ok](docs/a.md#the---sp-size-flag) [ok](docs/a.md#notes-1) [web](https://x)\n"
+                                        "```\n[in code](nowhere.md)\n```\n[gone](docs/b.md) [bad](docs/a.md#nope)\n")
+    assert broken_links(tmp_path) == ["README.md: docs/b.md: no such file",
+                                      "README.md: docs/a.md#nope: no such heading"]

@@ -63,6 +63,38 @@ def test_declared_distributions_follow_requirements(tmp_path):
     assert not (site / "accelerate").exists()
 
 
+GPU_ONLY = {"vllm": "requirements-gpu.txt", "flash_attn": "optional, GPU", "pynvml": "optional, GPU (NVML)"}
+
+
+def imported_modules(root: Path) -> set[str]:
+    """The third-party top-level modules the scripts, common/, kernels/ and tools/ import anywhere (at the top or
+    inside a function), read from their syntax trees."""
+    import ast
+    files = [*root.glob("*.py"), *(f for d in ("common", "kernels", "tools") for f in (root / d).rglob("*.py"))]
+    local = {f.stem for f in root.glob("*.py")} | {"common", "kernels", "tools", "bench", "tests"}
+    mods = set()
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                mods |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods.add(node.module.split(".")[0])
+    return {m for m in mods if m not in sys.stdlib_module_names and m not in local}
+
+
+def test_every_module_the_code_imports_is_installed_by_the_readme(tmp_path):
+    """A module imported only on some path (math_verify for GSM8K, datasets for hub data, matplotlib for the figures)
+    is not caught by the quick start: each one imports from what the README's install line installs."""
+    mods = imported_modules(ROOT)
+    assert {"torch", "transformers", "tyro", "math_verify", "datasets", "matplotlib"} <= mods  # the scan sees them
+    site = isolated_site(declared_distributions(ROOT / "requirements.txt", README_EXTRA), tmp_path / "site")
+    wanted = sorted(mods - set(GPU_ONLY))
+    code = f"import importlib\nfor m in {wanted!r}:\n    importlib.import_module(m)\n"
+    p = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"a module the code imports is not installed by requirements.txt: {p.stderr[-2000:]}"
+
+
 def test_ci_runs_the_readme_commands():
     """.ci/run installs exactly what the README's quick start installs and runs the README's full-suite test command
     (the README shows the default tier first, then the full suite: tests/test_tiers.py)."""

@@ -68,17 +68,11 @@ GPU_ONLY = {"vllm": "requirements-gpu.txt", "flash_attn": "optional, GPU", "pynv
 
 def imported_modules(root: Path) -> set[str]:
     """The third-party top-level modules the scripts, common/, kernels/ and tools/ import anywhere (at the top or
-    inside a function), read from their syntax trees."""
-    import ast
+    inside a function): tests/test_layout.py's import reader over their files."""
+    from test_layout import imports
     files = [*root.glob("*.py"), *(f for d in ("common", "kernels", "tools") for f in (root / d).rglob("*.py"))]
     local = {f.stem for f in root.glob("*.py")} | {"common", "kernels", "tools", "bench", "tests"}
-    mods = set()
-    for f in files:
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Import):
-                mods |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                mods.add(node.module.split(".")[0])
+    mods = {name.split(".")[0] for f in files for name, _ in imports(f)}
     return {m for m in mods if m not in sys.stdlib_module_names and m not in local}
 
 

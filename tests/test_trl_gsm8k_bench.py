@@ -321,3 +321,31 @@ def test_two_steps_on_a_tiny_model_write_rows_and_loadable_checkpoints(tmp_path,
     assert any(not torch.equal(w2[n], w1[n]) for n in src)
     AutoModelForCausalLM.from_pretrained(ckpt / "step_2")
     assert not list(ckpt.glob("*.tmp*"))
+
+
+# ---- the figure and table (tools/grpo_vs_trl_gsm8k.py) -----------------------------------------------------------
+def test_the_comparison_tool_reads_both_trainers_runs(tmp_path):
+    """Accuracy per evaluation step for both trainers (TRL's step 0 is grpo.py's: the same model and evaluator),
+    minutes = the step times before that step, the table's medians skip step 0, and the figure is written."""
+    from tools import grpo_vs_trl_gsm8k as C
+
+    def write(d, rs):
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    write(tmp_path / "grpo", [{"step": 0, "eval/accuracy": 0.25}] +
+          [{"step": i, "perf/step_s": 60.0 if i == 0 else 6.0, "perf/peak_mem_gib": 20.0 + i} for i in range(4)] +
+          [{"step": 2, "eval/accuracy": 0.3}, {"step": 4, "eval/accuracy": 0.35}])
+    write(tmp_path / "trl", [{"step": i, "perf/step_s": 18.0, "perf/peak_mem_gib": 70.0} for i in range(4)])
+    write(tmp_path / "trl_eval_step2", [{"step": 0, "eval/accuracy": 0.29}])
+    write(tmp_path / "trl_eval_step4", [{"step": 0, "eval/accuracy": 0.34}])
+    c = C.curves(tmp_path)
+    def flat(name):
+        return [x for p in c[name]["points"] for x in p]
+    assert flat("grpo.py") == pytest.approx([0, 0, 25, 2, 66 / 60, 30, 4, 78 / 60, 35])
+    assert flat("TRL") == pytest.approx([0, 0, 25, 2, 36 / 60, 29, 4, 72 / 60, 34])
+    assert c["grpo.py"]["peak"] == 23.0 and c["TRL"]["peak"] == 70.0
+    t = C.table(c)
+    assert "| grpo.py | 25.00 % | 30.00 % | 35.00 % | 6.00 | 1.3 | 23.0 |" in t
+    assert "| TRL | 25.00 % | 29.00 % | 34.00 % | 18.00 | 1.2 | 70.0 |" in t
+    C.main(C.Args(run_dir=tmp_path))
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -332,6 +332,7 @@ def test_the_comparison_tool_reads_both_trainers_runs(tmp_path):
     def write(d, rs):
         d.mkdir(parents=True)
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+        (d / "config.json").write_text("{}")  # a run folder: tools.compare.load_run reads both
     write(tmp_path / "grpo", [{"step": 0, "eval/accuracy": 0.25}] +
           [{"step": i, "perf/step_s": 60.0 if i == 0 else 6.0, "perf/peak_mem_gib": 20.0 + i} for i in range(4)] +
           [{"step": 2, "eval/accuracy": 0.3}, {"step": 4, "eval/accuracy": 0.35}])

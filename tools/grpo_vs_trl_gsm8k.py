@@ -10,12 +10,13 @@ Minutes are training time, the sum of perf/step_s of the steps before the evalua
 same way: rollout, scoring and update; evaluations, start-up and checkpoints excluded). Writes <run-dir>/curves.png
 and prints the table.
 """
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
+
+from tools.compare import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,8 +27,8 @@ class Args:
     """folder with grpo/, trl/ and trl_eval_step<k>/"""
 
 
-def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")]
+def rows(run: Path) -> list[dict]:
+    return load_run(run)["rows"]
 
 
 def minutes_before(step_s: dict[int, float], k: int) -> float:
@@ -37,14 +38,14 @@ def minutes_before(step_s: dict[int, float], k: int) -> float:
 
 def curves(run_dir: Path) -> dict[str, dict]:
     """Per trainer: points [(step, minutes, accuracy %)], step times {step: s}, peak GiB."""
-    g = rows(run_dir / "grpo" / "metrics.jsonl")
+    g = rows(run_dir / "grpo")
     g_step = {r["step"]: r["perf/step_s"] for r in g if "perf/step_s" in r}
     g_eval = {r["step"]: 100 * r["eval/accuracy"] for r in g if "eval/accuracy" in r}
-    t = rows(run_dir / "trl" / "metrics.jsonl")
+    t = rows(run_dir / "trl")
     t_step = {r["step"]: r["perf/step_s"] for r in t if "perf/step_s" in r}
     t_eval = {0: g_eval[0]}  # the base model, grpo.py's evaluator
     for d in sorted(run_dir.glob("trl_eval_step*")):
-        (r,) = [r for r in rows(d / "metrics.jsonl") if "eval/accuracy" in r]
+        (r,) = [r for r in rows(d) if "eval/accuracy" in r]
         t_eval[int(d.name.removeprefix("trl_eval_step"))] = 100 * r["eval/accuracy"]
     out = {}
     for name, step_s, ev, rs in (("grpo.py", g_step, g_eval, g), ("TRL", t_step, t_eval, t)):

@@ -141,8 +141,12 @@ def threads_per_process(nproc: int) -> str:
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: dict | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
-    """Run a script of the repo under torchrun on CPU (gloo) and return the finished process. More than one rank is
-    for tests marked slow only (the tier rule, tests/README.md)."""
+    """Run a script of the repo as `torchrun --standalone --nproc_per_node=nproc` runs it on CPU (gloo) and return the
+    finished process: its exit status, and its ranks' stdout and stderr. On a machine without a GPU the ranks are
+    forked from tests/fork_launcher.py, which has imported torch, transformers and the scripts' modules once for the
+    session (a launch takes 2-3 s instead of 6-9 s); with check=False (a test of what fails and how it is reported)
+    or variables the launcher cannot apply after its imports, the real torchrun runs it. More than one rank is for
+    tests marked slow only (the tier rule, tests/README.md)."""
     item = _ITEM.get()
     if nproc > 1 and item is not None and not item.get_closest_marker("slow"):
         raise AssertionError(f"{item.nodeid} starts torchrun with {nproc} ranks: mark it @pytest.mark.slow "
@@ -151,10 +155,65 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
            script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": threads_per_process(nproc), "PYTHONPATH": str(ROOT),
                 "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", **(env or {})}
-    p = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and not torch.cuda.is_available() and set(env or ()) <= FORKABLE_ENV:
+        p = _FORK.run([script, *args], nproc, full_env, timeout)
+    else:
+        p = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
     return p
+
+
+# variables a case may set that nothing reads at import time (the launcher's modules are imported before the fork)
+FORKABLE_ENV = {"HF_HUB_OFFLINE", "WANDB_MODE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "RL_DIST_TIMEOUT_S"}
+
+
+class ForkLauncher:
+    """tests/fork_launcher.py, started at the first launch and ended with the session."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.count = 0
+
+    def run(self, argv: list[str], nproc: int, env: dict, timeout: float,
+            logs: Path | None = None) -> subprocess.CompletedProcess:
+        """argv on nproc ranks (0: as plain `python`), with environment env, in the repository's root; its stdout and
+        stderr go to LOGS.out and LOGS.err (a temporary folder's files when logs is None)."""
+        import tempfile
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fork_launcher.py")], cwd=ROOT,
+                                         env={**script_env(), "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+        with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
+            base = str(logs) if logs is not None else str(Path(tmp, "run"))
+            out, err = Path(base + ".out"), Path(base + ".err")
+            for f in (out, err):
+                f.unlink(missing_ok=True)
+            req = {"argv": argv, "nproc": nproc, "env": env, "cwd": str(ROOT), "out": str(out), "err": str(err),
+                   "timeout": timeout}
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"tests/fork_launcher.py ended ({self.proc.wait()}) before answering {argv}")
+            reply = json.loads(line)
+            stdout = out.read_text() if out.exists() else ""
+            stderr = err.read_text() if err.exists() else ""
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(argv, reply["returncode"], stdout, stderr)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+_FORK = ForkLauncher()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _FORK.close()
 
 
 def script_env(**extra: str) -> dict:
@@ -169,22 +228,13 @@ def script_env(**extra: str) -> dict:
 
 def run_scripts(cases: dict[str, list[str]], work: Path, env: dict | None = None,
                 timeout: int = 1200) -> dict[str, subprocess.CompletedProcess]:
-    """Run each case's command line (`[script, *args]`, as `python script args`) in order, all in one Python process
-    (tests/script_driver.py: torch and transformers imported once), and return a CompletedProcess per case name with
-    its exit status, stdout and stderr. A case's result is what the same command would give in a fresh process: the
-    process-group variables are cleared, the signal handlers and the uncaught-error hook restored between cases."""
+    """Run each case's command line (`[script, *args]` as `python script args`, or `["-m", module, *args]`) in order,
+    each in a fresh process forked from tests/fork_launcher.py (torch, transformers and the scripts' modules imported
+    once for the session), and return a CompletedProcess per case name with its exit status, stdout and stderr: what
+    the same command gives in a fresh `python` (no process-group variables, the machine's cores, no wandb). The cases'
+    stdout and stderr are also kept in `work` (NAME.out, NAME.err)."""
+    if not set(env or ()) <= FORKABLE_ENV | {"PYTHONPATH"}:
+        raise AssertionError(f"run_scripts: {sorted(set(env) - FORKABLE_ENV)} are read when modules are imported; "
+                             "run such a case with subprocess")
     work.mkdir(parents=True, exist_ok=True)
-    spec = work / "cases.json"
-    spec.write_text(json.dumps({"cases": [{"name": name, "argv": argv} for name, argv in cases.items()]}))
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "script_driver.py"), str(spec)], cwd=ROOT,
-                       env=script_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
-    results = {}
-    for name, argv in cases.items():
-        rc = work / f"{name}.rc"
-        if not rc.exists():
-            raise AssertionError(f"tests/script_driver.py stopped before case {name} ({p.returncode}):\n"
-                                 f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
-        results[name] = subprocess.CompletedProcess([sys.executable, *argv], int(rc.read_text()),
-                                                    (work / f"{name}.out").read_text(),
-                                                    (work / f"{name}.err").read_text())
-    return results
+    return {name: _FORK.run(argv, 0, script_env(**(env or {})), timeout, work / name) for name, argv in cases.items()}

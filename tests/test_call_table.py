@@ -55,7 +55,7 @@ def test_each_of_ours_is_set_against_every_trl_run_of_the_call(tmp_path):
 def test_the_command_prints_a_markdown_table_and_refuses_an_empty_folder(tmp_path):
     write_call(tmp_path / "call")
     (tmp_path / "empty").mkdir()
-    runs = run_scripts({"call": ["bench/call_table.py", str(tmp_path / "call"), "--markdown"],  # one Python process
+    runs = run_scripts({"call": ["bench/call_table.py", str(tmp_path / "call"), "--markdown"],
                         "empty": ["bench/call_table.py", str(tmp_path / "empty")]}, tmp_path / "driver")
     assert runs["call"].returncode == 0, runs["call"].stderr[-2000:]
     out = runs["call"].stdout.splitlines()

@@ -176,7 +176,7 @@ def test_standalone_export_command(driver_run, tiny_model_dir, tmp_path):
     out = tmp_path / "exported"
     half = _fake_checkpoint(tmp_path, 9, complete=False)
     runs = run_scripts({"export": ["-m", "tools.export", "--checkpoint", str(work / "checkpoints" / "step_000004"),
-                                   "--model", str(tiny_model_dir), "--out", str(out)],  # both in one Python process
+                                   "--model", str(tiny_model_dir), "--out", str(out)],
                         "half": ["-m", "tools.export", "--checkpoint", str(half), "--model", str(tiny_model_dir),
                                  "--out", str(tmp_path / "x")]}, tmp_path / "driver")
     assert runs["export"].returncode == 0, runs["export"].stderr[-3000:]

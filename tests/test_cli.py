@@ -27,7 +27,7 @@ def test_same_args_as_flat_tyro(script, monkeypatch):
 
 @pytest.fixture(scope="module")
 def helps(tmp_path_factory) -> dict:
-    """`python SCRIPT --help` of four scripts, run in one Python process (tests/script_driver.py)."""
+    """`python SCRIPT --help` of four scripts, each a process forked by conftest.run_scripts."""
     return run_scripts({s: [s, "--help"] for s in ("grpo.py", "ppo.py", "dpo.py", "rm.py")},
                        tmp_path_factory.mktemp("help"))
 

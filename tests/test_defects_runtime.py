@@ -76,8 +76,8 @@ print(repr(t.batch_decode([t('Hi , there ! ok .')['input_ids']])[0]))
 
 @pytest.fixture(scope="module")
 def fresh(tiny_model_dir, tmp_path_factory) -> dict:
-    """The two drivers below, each as a fresh `python driver.py` would run it, in one Python process: the tokenizer
-    first (transformers warns once per process: nothing may have loaded a tokenizer before it), then the value model
+    """The two drivers below, each as a fresh `python driver.py` would run it (conftest.run_scripts): the tokenizer
+    (transformers warns once per process: nothing may have loaded a tokenizer before it), and the value model
     (a process group of one of its own). The tokenizer it loads: tiny_model_dir's, saved with
     clean_up_tokenization_spaces=True (as the GGUF conversion writes it)."""
     from transformers import AutoTokenizer

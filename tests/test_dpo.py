@@ -227,7 +227,7 @@ def test_pairs_from_samples():
 @pytest.fixture(scope="module")
 def make_pairs(tmp_path_factory, tiny_model_dir) -> dict:
     """`python -m tools.make_pairs` with a reward of the completion's parity, on the default prompts ("plain") and on
-    verl-shaped chat rows ("chat"), both in one Python process: each case's written rows and stdout."""
+    verl-shaped chat rows ("chat"): each case's written rows and stdout."""
     tmp = tmp_path_factory.mktemp("make_pairs")
     (tmp / "parity_reward.py").write_text("def reward(prompt, completion, answer):\n    return float(len(completion) % 2)\n")
     data = tmp / "chat.jsonl"

@@ -184,7 +184,7 @@ def test_new_losses_end_to_end_cpu(tmp_path, tiny_model_dir):
                             + "\n" for i in range(12)))
     eps = 1e-3
     starts = {"sigmoid_norm": math.log(2), "exo_pair": math.log(0.5) - 0.5 * math.log(eps * (1 - eps))}
-    runs = run_scripts({loss: [  # both in one Python process
+    runs = run_scripts({loss: [
         "dpo.py", "--model", str(tiny_model_dir), "--dataset", str(data), "--loss", loss, "--label-smoothing",
         str(eps if loss == "exo_pair" else 0.0), "--pairs-per-step", "4", "--num-steps", "2", "--eval-every", "0",
         "--max-length", "64", "--max-tokens-per-microbatch", "256", "--lr", "1e-2", "--out-dir", str(tmp_path / loss),

@@ -31,8 +31,8 @@ def read_run(out, name):
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """The runs the slow tests read, each on one rank with TINY and its own flags (later flags win), all in one Python
-    process (tests/script_driver.py): grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
+    """The runs the slow tests read, each on one rank with TINY and its own flags (later flags win), each a process
+    forked by conftest.run_scripts: grpo.py; grpo_async.py off; on for 3 steps; off for 3 steps at lr 0 (its
     weights stay those of step 0 at every step); on for 3 steps, the engine in the trainer's process (a thread);
     on for 3 steps with the defaults: the engine in a process of its own (step 1 profiled); with pi_old scored by the
     trainer (--behaviour-logp trainer); on for 3 steps with two engine processes (--vllm.num-engines 2)."""
@@ -176,7 +176,7 @@ REFUSED = {"tis": ["--tis-cap", "2"], "dynamic": ["--dynamic-sampling", "--dynam
 
 @pytest.fixture(scope="module")
 def refusals(tiny_model_dir, tmp_path_factory):
-    """grpo_async.py's command lines that must stop at its flag checks, in one Python process: each flag it refuses
+    """grpo_async.py's command lines that must stop at its flag checks, (conftest.run_scripts): each flag it refuses
     with --async-rollout (REFUSED), and the async recipe's whole command line with a model file that does not exist."""
     out = tmp_path_factory.mktemp("refusals")
     argv = (recipe_flags("grpo_gsm8k_qwen05b.sh", '"${SCRIPT:-grpo.py}" \\\n')

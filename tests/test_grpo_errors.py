@@ -1,5 +1,5 @@
 """Bad input to grpo.py: each fails (or degrades) with a message that says what is wrong and what to change. The
-one-rank command lines run in one Python process (tests/script_driver.py), each as `python grpo.py ...` would."""
+one-rank command lines run through conftest.run_scripts, each as `python grpo.py ...` would."""
 import json
 
 import pytest

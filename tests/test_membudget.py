@@ -60,7 +60,7 @@ FLAGS = {"auto": [], "explicit": ["--max-tokens-per-microbatch", "512"]}
 
 @pytest.fixture(scope="module")
 def grpo_runs(tiny_model_dir, tmp_path_factory):
-    """The two grpo.py runs below, one step each on one rank, in one Python process (tests/script_driver.py)."""
+    """The two grpo.py runs below, one step each on one rank, (conftest.run_scripts)."""
     out = tmp_path_factory.mktemp("membudget")
     return out, run_scripts({name: ["grpo.py", "--model", str(tiny_model_dir), "--num-steps", "1", "--prompts-per-step",
                                     "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "0", "--out-dir",

@@ -15,7 +15,7 @@ import grpo
 import grpo_async
 import ppo
 from common.models import TokenLoss
-from conftest import ROOT
+from conftest import ROOT, run_scripts
 
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "TORCHELASTIC_RUN_ID")},
@@ -258,8 +258,8 @@ def test_plan_run_says_what_a_run_does(tmp_path, capsys):
 
 
 def run_script(script, *args, tmp_path):
-    p = subprocess.run([sys.executable, script, *args, "--out-dir", str(tmp_path)], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=600)
+    """`python script args --out-dir tmp_path`, forked from tests/fork_launcher.py (conftest.run_scripts)."""
+    p = run_scripts({"run": [script, *args, "--out-dir", str(tmp_path)]}, tmp_path / "launch", timeout=600)["run"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 

@@ -15,7 +15,7 @@ def rows_of(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, tiny_model_dir):
-    """In one Python process: an rm.py export, then ppo.py scored by it alone (test_ppo_with_reward_model_alone)."""
+    """An rm.py export, then ppo.py scored by it alone (test_ppo_with_reward_model_alone)."""
     out = tmp_path_factory.mktemp("rm")
     runs = run_scripts({
         "rm": ["rm.py", "--model", str(tiny_model_dir), "--num-steps", "1", "--eval-every", "0", "--lr", "1e-3",

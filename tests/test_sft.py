@@ -125,7 +125,7 @@ def test_sft_flags_system_prompt_and_template_kwargs(tmp_path, tiny_smollm):
     prompt longer than --max-length leaves no conversation to train on."""
     base = ["sft.py", "--model", str(tiny_smollm), "--dataset", str(GSM8K), "--num-steps", "1", "--eval-every", "0",
             "--max-length", "256", "--max-tokens-per-microbatch", "512", "--out-dir", str(tmp_path)]
-    runs = run_scripts({"kwargs": [*base, "--chat-template-kwargs", "[1]"],  # one Python process for both
+    runs = run_scripts({"kwargs": [*base, "--chat-template-kwargs", "[1]"],
                         "system": [*base, "--overwrite", "--system-prompt", "Show every step. " * 80]}, tmp_path / "d")
     p = runs["kwargs"]
     assert p.returncode != 0 and "--chat-template-kwargs '[1]' is a JSON list: give an object" in p.stderr
@@ -288,7 +288,7 @@ def test_sft_default_smollm2_lowers_the_loss(tmp_path):
 @pytest.mark.slow
 def test_export_is_grpo_model(tmp_path, tiny_smollm):
     """sft.py's --export-hf folder is grpo.py's --model as it is: one GRPO step from it runs and evaluates."""
-    runs = run_scripts({  # one Python process, sft.py then grpo.py
+    runs = run_scripts({  # sft.py, then grpo.py on its export
         "sft": ["sft.py", "--model", str(tiny_smollm), "--dataset", str(GSM8K), "--sequences-per-step", "4",
                 "--num-steps", "1", "--eval-every", "0", "--out-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf")],
         "grpo": ["grpo.py", "--model", str(tmp_path / "hf"), "--dataset", str(GSM8K), "--num-steps", "1",

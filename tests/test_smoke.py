@@ -1,6 +1,6 @@
 """One end-to-end run of each training script in the default tier: grpo.py, ppo.py, dpo.py, sft.py, rm.py and
 grpo_async.py, each from its command line on the tiny model, one step at the smallest size (one rank, a few tokens),
-all six in one Python process (tests/script_driver.py). Each must exit 0 and write what a run writes: config.json,
+each as `python SCRIPT ...` (conftest.run_scripts). Each must exit 0 and write what a run writes: config.json,
 metrics.jsonl with the step's training metrics (finite) and its final checkpoint. What the scripts compute is checked
 by the unit tests and by the slow end-to-end tests (2 ranks, resume, learning)."""
 import json

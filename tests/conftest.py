@@ -14,6 +14,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before triton is first imported.
@@ -155,7 +156,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
            script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": threads_per_process(nproc), "PYTHONPATH": str(ROOT),
                 "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", **(env or {})}
-    if check and not torch.cuda.is_available() and set(env or ()) <= FORKABLE_ENV:
+    if check and not torch.cuda.is_available() and not unforkable(env):
         p = _FORK.run([script, *args], nproc, full_env, timeout)
     else:
         p = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -164,8 +165,15 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
     return p
 
 
-# variables a case may set that nothing reads at import time (the launcher's modules are imported before the fork)
-FORKABLE_ENV = {"HF_HUB_OFFLINE", "WANDB_MODE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "RL_DIST_TIMEOUT_S"}
+# variables a case may set that nothing reads at import time (the launcher's modules are imported before the fork),
+# and PYTHONPATH, which the launcher puts on the case's sys.path
+FORKABLE_ENV = {"HF_HUB_OFFLINE", "WANDB_MODE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "RL_DIST_TIMEOUT_S",
+                "PYTHONPATH"}
+
+
+def unforkable(env: dict | None) -> list[str]:
+    """The variables of env that tests/fork_launcher.py cannot give a case (read when modules are imported)."""
+    return sorted(set(env or ()) - FORKABLE_ENV)
 
 
 class ForkLauncher:
@@ -173,13 +181,11 @@ class ForkLauncher:
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
-        self.count = 0
 
     def run(self, argv: list[str], nproc: int, env: dict, timeout: float,
             logs: Path | None = None) -> subprocess.CompletedProcess:
         """argv on nproc ranks (0: as plain `python`), with environment env, in the repository's root; its stdout and
         stderr go to LOGS.out and LOGS.err (a temporary folder's files when logs is None)."""
-        import tempfile
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fork_launcher.py")], cwd=ROOT,
                                          env={**script_env(), "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE,
@@ -233,8 +239,8 @@ def run_scripts(cases: dict[str, list[str]], work: Path, env: dict | None = None
     once for the session), and return a CompletedProcess per case name with its exit status, stdout and stderr: what
     the same command gives in a fresh `python` (no process-group variables, the machine's cores, no wandb). The cases'
     stdout and stderr are also kept in `work` (NAME.out, NAME.err)."""
-    if not set(env or ()) <= FORKABLE_ENV | {"PYTHONPATH"}:
-        raise AssertionError(f"run_scripts: {sorted(set(env) - FORKABLE_ENV)} are read when modules are imported; "
-                             "run such a case with subprocess")
+    if unforkable(env):
+        raise AssertionError(f"run_scripts: {unforkable(env)} are read when modules are imported; run such a case "
+                             "with subprocess")
     work.mkdir(parents=True, exist_ok=True)
     return {name: _FORK.run(argv, 0, script_env(**(env or {})), timeout, work / name) for name, argv in cases.items()}

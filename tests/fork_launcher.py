@@ -18,15 +18,14 @@ about the launcher itself (signals sent to torchrun, several launchers as nodes,
 
 Safe to fork: nothing here starts a thread, a process group or an OpenMP pool before the fork, and every child sets its
 thread count from its own OMP_NUM_THREADS (OpenMP reads the variable only when the library loads). Variables that
-modules read when they are imported (RL_CACHE, PYTHONPATH, TORCHINDUCTOR_*) are this process's: tests/conftest.py
-sends a request here only when the case leaves them as they are."""
+modules read when they are imported (RL_CACHE, TORCHINDUCTOR_*) are this process's: tests/conftest.py sends a request
+here only when the case leaves them as they are; a case's PYTHONPATH is put on its sys.path here, as Python would."""
 import atexit
 import io
 import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import threading
 import time
@@ -49,14 +48,9 @@ import grpo_async  # noqa: E402,F401
 import ppo  # noqa: E402,F401
 import rm  # noqa: E402,F401
 import sft  # noqa: E402,F401
+from common.dist import _free_port  # noqa: E402
 
 GRACE_S = 10  # after a rank failed: SIGTERM to the others, SIGKILL this long after
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank(req: dict, rank: int, port: int) -> None:
@@ -131,7 +125,7 @@ def signal_groups(pids: list[int], sig: int) -> None:
 
 
 def serve(req: dict) -> dict:
-    port, pids = free_port(), []
+    port, pids = _free_port(), []
     for rank in range(max(1, req["nproc"])):
         pid = os.fork()
         if pid == 0:

@@ -108,12 +108,20 @@ def run_rank(req: dict, rank: int, port: int) -> None:
 
 
 def reap(pids: list[int], codes: dict[int, int], block: bool = False) -> None:
-    """Record the exit status of each rank in `pids` that has ended (all of them with block)."""
+    """Record the exit status of each rank in `pids` that has ended (all of them with block), leaving it a zombie
+    (WNOWAIT): its pid, and so its process group's id, cannot be reused before `release` has signalled the group."""
     for pid in pids:
         if pid not in codes:
-            done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
-            if done:
-                codes[pid] = os.waitstatus_to_exitcode(status)
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG))
+            if info is not None:
+                codes[pid] = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def release(pids: list[int]) -> None:
+    """SIGKILL what the ranks started and left behind (an engine process, a reward worker), then reap the ranks."""
+    signal_groups(pids, signal.SIGKILL)
+    for pid in pids:
+        os.waitpid(pid, 0)
 
 
 def signal_groups(pids: list[int], sig: int) -> None:
@@ -149,7 +157,7 @@ def serve(req: dict) -> dict:
             time.sleep(0.05)
         signal_groups([p for p in pids if p not in codes], signal.SIGKILL)
         reap(pids, codes, block=True)
-    signal_groups(pids, signal.SIGKILL)  # what a rank started and left behind (an engine process, a reward worker)
+    release(pids)
     failed = [c for c in codes.values() if c != 0]  # in the order the ranks ended: the first failure, not its echo
     return {"returncode": failed[0] if failed else 0, "timed_out": timed_out}
 

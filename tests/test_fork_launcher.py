@@ -3,6 +3,7 @@ as a fresh `python SCRIPT` (or one torchrun rank) would: its exit status, output
 count, and the other ranks stopped when one fails."""
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,25 @@ def test_a_case_past_its_timeout_is_stopped(tmp_path):
     assert time.monotonic() - start < 30
     # the launcher still answers after a stopped case
     assert run_scripts({"help": ["-m", "tools.export", "--help"]}, tmp_path)["help"].returncode == 0
+
+
+def test_what_a_case_leaves_behind_is_stopped_and_a_signal_is_its_status(tmp_path):
+    """A case that exits leaving a child running (an engine process, a reward worker): the child is killed with the
+    case's process group. A case killed by a signal returns minus the signal's number, as subprocess reports it."""
+    (tmp_path / "leaves.py").write_text(
+        "import subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(p.pid))\n")
+    (tmp_path / "killed.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    runs = run_scripts({"leaves": [str(tmp_path / "leaves.py")], "killed": [str(tmp_path / "killed.py")]}, tmp_path)
+    assert runs["leaves"].returncode == 0 and runs["killed"].returncode == -9
+
+    def alive(pid: int) -> bool:  # a zombie (killed, not yet reaped by whoever adopted it) counts as gone
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    pid, deadline = int((tmp_path / "pid").read_text()), time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid)

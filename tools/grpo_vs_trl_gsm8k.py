@@ -7,8 +7,10 @@ The folder holds the runs of dev/queues/trl_gsm8k.txt: grpo/ (grpo.py, its own e
 (bench/trl_gsm8k.py: metrics.jsonl, summary.json) and trl_eval_step<k>/ (grpo.py --num-steps 0 on TRL's step-k
 checkpoint: one eval/accuracy row). TRL's step-0 point is grpo.py's step-0 evaluation: the same model and evaluator.
 Minutes are training time, the sum of perf/step_s of the steps before the evaluation (both trainers time a step the
-same way: rollout, scoring and update; evaluations, start-up and checkpoints excluded). Writes <run-dir>/curves.png
-and prints the table.
+same way: rollout, scoring and update; evaluations, start-up and checkpoints excluded). The training reward of each
+step (the mean over its 64 x 8 samples, the same reward function) is the finer per-step signal: a third panel shows
+it (5-step moving average) and a second table its mean per 10-step window over the steps both runs have. Writes
+<run-dir>/curves.png and prints both tables.
 """
 import statistics
 from dataclasses import dataclass
@@ -37,7 +39,8 @@ def minutes_before(step_s: dict[int, float], k: int) -> float:
 
 
 def curves(run_dir: Path) -> dict[str, dict]:
-    """Per trainer: points [(step, minutes, accuracy %)], step times {step: s}, peak GiB."""
+    """Per trainer: points [(step, minutes, accuracy %)], step times {step: s}, training reward {step: mean}, peak
+    GiB."""
     g = rows(run_dir / "grpo")
     g_step = {r["step"]: r["perf/step_s"] for r in g if "perf/step_s" in r}
     g_eval = {r["step"]: 100 * r["eval/accuracy"] for r in g if "eval/accuracy" in r}
@@ -50,6 +53,7 @@ def curves(run_dir: Path) -> dict[str, dict]:
     out = {}
     for name, step_s, ev, rs in (("grpo.py", g_step, g_eval, g), ("TRL", t_step, t_eval, t)):
         out[name] = {"points": [(k, minutes_before(step_s, k), a) for k, a in sorted(ev.items())], "step_s": step_s,
+                     "reward": {r["step"]: r["reward/mean"] for r in rs if "reward/mean" in r},
                      "peak": max((r["perf/peak_mem_gib"] for r in rs if "perf/peak_mem_gib" in r), default=None)}
     return out
 
@@ -57,33 +61,57 @@ def curves(run_dir: Path) -> dict[str, dict]:
 def table(c: dict[str, dict]) -> str:
     evals = sorted({k for v in c.values() for k, _, _ in v["points"]})
     head = "| trainer | " + " | ".join(f"accuracy at step {k}" for k in evals) + \
-        " | median s/step (steps 1-) | training minutes | trainer peak GiB |"
-    lines = [head, "|---" * (len(evals) + 4) + "|"]
+        " | steps run | median s/step (steps 1-) | training minutes | trainer peak GiB |"
+    lines = [head, "|---" * (len(evals) + 5) + "|"]
     for name, v in c.items():
         acc = {k: a for k, _, a in v["points"]}
         warm = [s for i, s in v["step_s"].items() if i > 0]
         lines.append(f"| {name} | " + " | ".join(f"{acc[k]:.2f} %" if k in acc else "-" for k in evals) +
-                     f" | {statistics.median(warm):.2f} | {sum(v['step_s'].values()) / 60:.1f} | "
+                     f" | {len(v['step_s'])} | {statistics.median(warm):.2f} | {sum(v['step_s'].values()) / 60:.1f} | "
                      f"{v['peak']:.1f} |")
     return "\n".join(lines)
+
+
+def reward_table(c: dict[str, dict], width: int = 10) -> str:
+    """Mean training reward per window of `width` steps, over the steps every trainer has (the last window may be
+    shorter), and the difference of the first two trainers."""
+    common = sorted(set.intersection(*(set(v["reward"]) for v in c.values())))
+    names = list(c)
+    lines = ["| steps | " + " | ".join(f"{n}, training reward" for n in names) + f" | {names[0]} - {names[1]} |",
+             "|---" * (len(names) + 2) + "|"]
+    for lo in range(0, len(common), width):
+        win = common[lo:lo + width]
+        m = [statistics.mean(c[n]["reward"][i] for i in win) for n in names]
+        lines.append(f"| {win[0]}-{win[-1]} | " + " | ".join(f"{x:.3f}" for x in m) + f" | {m[0] - m[1]:+.3f} |")
+    return "\n".join(lines)
+
+
+def moving_average(values: list[float], k: int = 5) -> list[float]:
+    """Mean of each value and up to k-1 before it."""
+    return [statistics.mean(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
 
 
 def plot(c: dict[str, dict], out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10.5, 4))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
     for (name, v), style in zip(c.items(), ("o-", "s--")):
         steps, mins, acc = zip(*v["points"])
         a1.plot(steps, acc, style, label=name)
         a2.plot(mins, acc, style, label=name)
+        rs = sorted(v["reward"])
+        a3.plot(rs, moving_average([v["reward"][i] for i in rs]), style[1:], label=name)
     a1.set_xlabel("rollout step (64 prompts x 8 samples)")
     a2.set_xlabel("training minutes (sum of step times)")
     for a in (a1, a2):
         a.set_ylabel("GSM8K test accuracy, % (1,319, greedy)")
+    a3.set_xlabel("rollout step")
+    a3.set_ylabel("training reward (5-step average)")
+    for a in (a1, a2, a3):
         a.grid(alpha=0.3)
         a.legend()
-    fig.suptitle("Qwen2.5-Coder-0.5B-Instruct, runs/grpo_gsm8k_qwen05b.sh, one H100")
+    fig.suptitle("Qwen2.5-Coder-0.5B-Instruct, runs/grpo_gsm8k_qwen05b.sh, one H100", y=0.99)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -91,6 +119,8 @@ def plot(c: dict[str, dict], out: Path) -> None:
 def main(args: Args) -> None:
     c = curves(args.run_dir)
     print(table(c))
+    print()
+    print(reward_table(c))
     plot(c, args.run_dir / "curves.png")
     print("wrote", args.run_dir / "curves.png")
 

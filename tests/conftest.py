@@ -239,8 +239,7 @@ def run_scripts(cases: dict[str, list[str]], work: Path, env: dict | None = None
     once for the session), and return a CompletedProcess per case name with its exit status, stdout and stderr: what
     the same command gives in a fresh `python` (no process-group variables, the machine's cores, no wandb). The cases'
     stdout and stderr are also kept in `work` (NAME.out, NAME.err)."""
-    if unforkable(env):
-        raise AssertionError(f"run_scripts: {unforkable(env)} are read when modules are imported; run such a case "
-                             "with subprocess")
+    if bad := unforkable(env):
+        raise AssertionError(f"run_scripts: {bad} are read when modules are imported; run such a case with subprocess")
     work.mkdir(parents=True, exist_ok=True)
     return {name: _FORK.run(argv, 0, script_env(**(env or {})), timeout, work / name) for name, argv in cases.items()}

@@ -38,8 +38,8 @@ def test_a_case_is_a_fresh_python(tmp_path):
     assert seen["threads"] == 1 and seen["env"]["WANDB_MODE"] == "offline" and "RANK" not in seen["env"]
     assert (runs["exit3"].returncode, runs["exit3"].stdout) == (3, "bye\n")
     assert runs["raises"].returncode == 1 and "ValueError: no such thing" in runs["raises"].stderr
-    assert runs["raises"].stderr.startswith("Traceback (most recent call last):\n  File \"" + str(tmp_path)) and (tmp_path / "logs" / "raises.err").read_text() == \
-        runs["raises"].stderr
+    assert runs["raises"].stderr.startswith("Traceback (most recent call last):\n  File \"" + str(tmp_path))
+    assert (tmp_path / "logs" / "raises.err").read_text() == runs["raises"].stderr
 
 
 def test_a_module_case_runs_as_python_dash_m(tmp_path):

@@ -326,8 +326,9 @@ def test_two_steps_on_a_tiny_model_write_rows_and_loadable_checkpoints(tmp_path,
 # ---- the figure and table (tools/grpo_vs_trl_gsm8k.py) -----------------------------------------------------------
 def test_the_comparison_tool_reads_both_trainers_runs(tmp_path):
     """Accuracy per evaluation step for both trainers (TRL's step 0 is grpo.py's: the same model and evaluator),
-    minutes = the step times before that step, the table's medians skip step 0, the reward table averages windows of
-    the steps both runs have (grpo.py stopped one step early here), and the figure is written."""
+    minutes = the step times before that step, the table's medians skip step 0, the accuracy differences carry their
+    standard error, the window table averages the steps both runs have (grpo.py stopped one step early here) with
+    each window's median step and generation times, and the figure is written."""
     from tools import grpo_vs_trl_gsm8k as C
 
     def write(d, rs):
@@ -335,8 +336,8 @@ def test_the_comparison_tool_reads_both_trainers_runs(tmp_path):
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
         (d / "config.json").write_text("{}")  # a run folder: tools.compare.load_run reads both
     write(tmp_path / "grpo", [{"step": 0, "eval/accuracy": 0.25}] +
-          [{"step": i, "perf/step_s": 60.0 if i == 0 else 6.0, "perf/peak_mem_gib": 20.0 + i, "reward/mean": 0.1 * i}
-           for i in range(4)] +
+          [{"step": i, "perf/step_s": 60.0 if i == 0 else 6.0, "perf/peak_mem_gib": 20.0 + i, "reward/mean": 0.1 * i,
+            "perf/generate_s": 1.0 + i} for i in range(4)] +
           [{"step": 2, "eval/accuracy": 0.3}, {"step": 4, "eval/accuracy": 0.35}])
     write(tmp_path / "trl", [{"step": i, "perf/step_s": 18.0, "perf/peak_mem_gib": 70.0, "reward/mean": 0.2}
                              for i in range(5)])
@@ -349,10 +350,13 @@ def test_the_comparison_tool_reads_both_trainers_runs(tmp_path):
     assert flat("TRL") == pytest.approx([0, 0, 25, 2, 36 / 60, 29, 4, 72 / 60, 34])
     assert c["grpo.py"]["peak"] == 23.0 and c["TRL"]["peak"] == 70.0
     t = C.table(c)
-    assert "| grpo.py | 25.00 % | 30.00 % | 35.00 % | 4 | 6.00 | 1.3 | 23.0 |" in t
-    assert "| TRL | 25.00 % | 29.00 % | 34.00 % | 5 | 18.00 | 1.5 | 70.0 |" in t
-    assert C.reward_table(c, width=3).splitlines()[2:] == ["| 0-2 | 0.100 | 0.200 | -0.100 |",
-                                                           "| 3-3 | 0.300 | 0.200 | +0.100 |"]
+    assert "| grpo.py | 25.00 % (0.0) | 30.00 % (1.1) | 35.00 % (1.3) | 4 | 6.00 | 1.3 | 23.0 |" in t
+    assert "| TRL | 25.00 % (0.0) | 29.00 % (0.6) | 34.00 % (1.2) | 5 | 18.00 | 1.5 | 70.0 |" in t
+    se2 = 100 * (0.3 * 0.7 / 1319 + 0.29 * 0.71 / 1319) ** 0.5
+    assert C.differences(c) == [f"step 2: grpo.py - TRL = +1.00 points (standard error {se2:.2f})",
+                                "step 4: grpo.py - TRL = +1.00 points (standard error 1.85)"]
+    assert C.window_table(c, width=3).splitlines()[2:] == ["| 0-2 | 0.100 | 0.200 | -0.100 | 6.00 | 18.00 | 2.00 |",
+                                                           "| 3-3 | 0.300 | 0.200 | +0.100 | 6.00 | 18.00 | 4.00 |"]
     assert C.moving_average([1.0, 2.0, 3.0, 4.0], k=2) == [1.0, 1.5, 2.5, 3.5]
     C.main(C.Args(run_dir=tmp_path))
     assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -9,9 +9,11 @@ checkpoint: one eval/accuracy row). TRL's step-0 point is grpo.py's step-0 evalu
 Minutes are training time, the sum of perf/step_s of the steps before the evaluation (both trainers time a step the
 same way: rollout, scoring and update; evaluations, start-up and checkpoints excluded). The training reward of each
 step (the mean over its 64 x 8 samples, the same reward function) is the finer per-step signal: a third panel shows
-it (5-step moving average) and a second table its mean per 10-step window over the steps both runs have. Writes
-<run-dir>/curves.png and prints both tables.
+it (5-step moving average) and a second table its mean per 10-step window over the steps both runs have, beside the
+median step time (and generation time, where the trainer logs it) of each window. Writes <run-dir>/curves.png and
+prints both tables, and the accuracy difference with its standard error at each step both trainers evaluated.
 """
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +41,8 @@ def minutes_before(step_s: dict[int, float], k: int) -> float:
 
 
 def curves(run_dir: Path) -> dict[str, dict]:
-    """Per trainer: points [(step, minutes, accuracy %)], step times {step: s}, training reward {step: mean}, peak
-    GiB."""
+    """Per trainer: points [(step, minutes, accuracy %)], step times {step: s}, training reward {step: mean},
+    generation times {step: s} (grpo.py's perf/generate_s; TRL logs none), peak GiB."""
     g = rows(run_dir / "grpo")
     g_step = {r["step"]: r["perf/step_s"] for r in g if "perf/step_s" in r}
     g_eval = {r["step"]: 100 * r["eval/accuracy"] for r in g if "eval/accuracy" in r}
@@ -54,35 +56,56 @@ def curves(run_dir: Path) -> dict[str, dict]:
     for name, step_s, ev, rs in (("grpo.py", g_step, g_eval, g), ("TRL", t_step, t_eval, t)):
         out[name] = {"points": [(k, minutes_before(step_s, k), a) for k, a in sorted(ev.items())], "step_s": step_s,
                      "reward": {r["step"]: r["reward/mean"] for r in rs if "reward/mean" in r},
+                     "generate_s": {r["step"]: r["perf/generate_s"] for r in rs if "perf/generate_s" in r},
                      "peak": max((r["perf/peak_mem_gib"] for r in rs if "perf/peak_mem_gib" in r), default=None)}
     return out
 
 
 def table(c: dict[str, dict]) -> str:
     evals = sorted({k for v in c.values() for k, _, _ in v["points"]})
-    head = "| trainer | " + " | ".join(f"accuracy at step {k}" for k in evals) + \
+    head = "| trainer | " + " | ".join(f"accuracy at step {k} (training minutes)" for k in evals) + \
         " | steps run | median s/step (steps 1-) | training minutes | trainer peak GiB |"
     lines = [head, "|---" * (len(evals) + 5) + "|"]
     for name, v in c.items():
-        acc = {k: a for k, _, a in v["points"]}
+        acc = {k: (m, a) for k, m, a in v["points"]}
         warm = [s for i, s in v["step_s"].items() if i > 0]
-        lines.append(f"| {name} | " + " | ".join(f"{acc[k]:.2f} %" if k in acc else "-" for k in evals) +
+        lines.append(f"| {name} | " + " | ".join(f"{acc[k][1]:.2f} % ({acc[k][0]:.1f})" if k in acc else "-"
+                                                 for k in evals) +
                      f" | {len(v['step_s'])} | {statistics.median(warm):.2f} | {sum(v['step_s'].values()) / 60:.1f} | "
                      f"{v['peak']:.1f} |")
     return "\n".join(lines)
 
 
-def reward_table(c: dict[str, dict], width: int = 10) -> str:
-    """Mean training reward per window of `width` steps, over the steps every trainer has (the last window may be
-    shorter), and the difference of the first two trainers."""
+def differences(c: dict[str, dict], n: int = 1319) -> list[str]:
+    """At each step both trainers evaluated (after step 0): the first minus the second, in points, with the standard
+    error of that difference for two independent evaluations on n questions."""
+    (n1, v1), (n2, v2) = list(c.items())[:2]
+    a1, a2 = ({k: a for k, _, a in v["points"]} for v in (v1, v2))
+    out = []
+    for k in sorted(set(a1) & set(a2) - {0}):
+        p, q = a1[k] / 100, a2[k] / 100
+        se = 100 * math.sqrt(p * (1 - p) / n + q * (1 - q) / n)
+        out.append(f"step {k}: {n1} - {n2} = {a1[k] - a2[k]:+.2f} points (standard error {se:.2f})")
+    return out
+
+
+def window_table(c: dict[str, dict], width: int = 10) -> str:
+    """Per window of `width` steps, over the steps every trainer has (the last window may be shorter): the mean
+    training reward of each trainer, the difference of the first two, the median step time of each, and the median
+    generation time of those that log it."""
     common = sorted(set.intersection(*(set(v["reward"]) for v in c.values())))
-    names = list(c)
-    lines = ["| steps | " + " | ".join(f"{n}, training reward" for n in names) + f" | {names[0]} - {names[1]} |",
-             "|---" * (len(names) + 2) + "|"]
+    names, gen = list(c), [n for n in c if c[n]["generate_s"]]
+    lines = ["| steps | " + " | ".join(f"{n}, training reward" for n in names) + f" | {names[0]} - {names[1]} | " +
+             " | ".join(f"{n}, median s/step" for n in names) +
+             "".join(f" | {n}, median generation s" for n in gen) + " |",
+             "|---" * (2 * len(names) + len(gen) + 2) + "|"]
     for lo in range(0, len(common), width):
         win = common[lo:lo + width]
         m = [statistics.mean(c[n]["reward"][i] for i in win) for n in names]
-        lines.append(f"| {win[0]}-{win[-1]} | " + " | ".join(f"{x:.3f}" for x in m) + f" | {m[0] - m[1]:+.3f} |")
+        step = [statistics.median(c[n]["step_s"][i] for i in win) for n in names]
+        g = [statistics.median(c[n]["generate_s"][i] for i in win) for n in gen]
+        lines.append(f"| {win[0]}-{win[-1]} | " + " | ".join(f"{x:.3f}" for x in m) + f" | {m[0] - m[1]:+.3f} | " +
+                     " | ".join(f"{x:.2f}" for x in step) + "".join(f" | {x:.2f}" for x in g) + " |")
     return "\n".join(lines)
 
 
@@ -119,8 +142,9 @@ def plot(c: dict[str, dict], out: Path) -> None:
 def main(args: Args) -> None:
     c = curves(args.run_dir)
     print(table(c))
+    print("\n".join(differences(c)))
     print()
-    print(reward_table(c))
+    print(window_table(c))
     plot(c, args.run_dir / "curves.png")
     print("wrote", args.run_dir / "curves.png")
 

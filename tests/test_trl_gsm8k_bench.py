@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 
@@ -325,10 +326,11 @@ def test_two_steps_on_a_tiny_model_write_rows_and_loadable_checkpoints(tmp_path,
 
 # ---- the figure and table (tools/grpo_vs_trl_gsm8k.py) -----------------------------------------------------------
 def test_the_comparison_tool_reads_both_trainers_runs(tmp_path):
-    """Accuracy per evaluation step for both trainers (TRL's step 0 is grpo.py's: the same model and evaluator),
-    minutes = the step times before that step, the table's medians skip step 0, the accuracy differences carry their
-    standard error, the window table averages the steps both runs have (grpo.py stopped one step early here) with
-    each window's median step and generation times, and the figure is written."""
+    """Accuracy per evaluation step for both trainers (TRL's step 0 is grpo.py's: the same model and evaluator) and
+    for a further grpo.py run, minutes = the step times before that step, the table's medians skip step 0, the
+    accuracy differences of each two runs carry their standard error, so do the mean training-reward differences, the
+    window table averages the steps both trainers have (grpo.py stopped one step early here) with each window's median
+    step and generation times, the same-host pairs give their step-time ratios, and the figure is written."""
     from tools import grpo_vs_trl_gsm8k as C
 
     def write(d, rs):
@@ -343,7 +345,10 @@ def test_the_comparison_tool_reads_both_trainers_runs(tmp_path):
                              for i in range(5)])
     write(tmp_path / "trl_eval_step2", [{"step": 0, "eval/accuracy": 0.29}])
     write(tmp_path / "trl_eval_step4", [{"step": 0, "eval/accuracy": 0.34}])
+    write(tmp_path / "grpo_b", [{"step": 0, "eval/accuracy": 0.25}, {"step": 2, "eval/accuracy": 0.27}] +
+          [{"step": i, "perf/step_s": 5.0, "reward/mean": 0.1 * i + (0.02 if i % 2 else 0.0)} for i in range(3)])
     c = C.curves(tmp_path)
+    assert list(c) == ["grpo.py", "TRL"]
     def flat(name):
         return [x for p in c[name]["points"] for x in p]
     assert flat("grpo.py") == pytest.approx([0, 0, 25, 2, 66 / 60, 30, 4, 78 / 60, 35])
@@ -358,5 +363,34 @@ def test_the_comparison_tool_reads_both_trainers_runs(tmp_path):
     assert C.window_table(c, width=3).splitlines()[2:] == ["| 0-2 | 0.100 | 0.200 | -0.100 | 6.00 | 18.00 | 2.00 |",
                                                            "| 3-3 | 0.300 | 0.200 | +0.100 | 6.00 | 18.00 | 4.00 |"]
     assert C.moving_average([1.0, 2.0, 3.0, 4.0], k=2) == [1.0, 1.5, 2.5, 3.5]
-    C.main(C.Args(run_dir=tmp_path))
+    c3 = C.curves(tmp_path, ("grpo_b",))
+    assert list(c3) == ["grpo.py", "TRL", "grpo.py (grpo_b/)"] and c3["grpo.py"] == c["grpo.py"]
+    assert [p[2] for p in c3["grpo.py (grpo_b/)"]["points"]] == pytest.approx([25, 27])
+    assert C.differences(c3)[2:] == [f"step 2: grpo.py - grpo.py (grpo_b/) = +3.00 points (standard error "
+                                     f"{100 * (0.3 * 0.7 / 1319 + 0.27 * 0.73 / 1319) ** 0.5:.2f})",
+                                     "step 2: TRL - grpo.py (grpo_b/) = +2.00 points (standard error "
+                                     f"{100 * (0.29 * 0.71 / 1319 + 0.27 * 0.73 / 1319) ** 0.5:.2f})"]
+    # grpo.py - TRL per step: -0.2, -0.1, 0, +0.1 (mean -0.05); grpo.py - grpo_b: 0, -0.02, 0
+    se = statistics.stdev([-0.2, -0.1, 0.0, 0.1]) / 2
+    assert C.reward_differences(c3) == [
+        f"training reward, grpo.py - TRL: -0.0500 a step over 4 steps (standard error {se:.4f})",
+        f"training reward, grpo.py - grpo.py (grpo_b/): -0.0067 a step over 3 steps (standard error "
+        f"{statistics.stdev([0, -0.02, 0]) / 3 ** 0.5:.4f})",
+        f"training reward, TRL - grpo.py (grpo_b/): +0.0933 a step over 3 steps (standard error "
+        f"{statistics.stdev([0.2, 0.08, 0.0]) / 3 ** 0.5:.4f})"]
+    assert C.window_table(c3, width=3) == C.window_table(c, width=3)  # the two trainers only
+    # same-host pairs: the timing folder itself and a subfolder; a folder without trl/ is not a pair
+    timing = tmp_path / "timing"
+    for d, g, t in ((timing, [30.0, 6.0, 18.0, 7.0], [19.0, 17.0, 16.0, 16.5]),
+                    (timing / "second_pair", [28.0, 7.5, 14.5, 7.25], [22.0, 20.0, 22.0, 21.0])):
+        write(d / "grpo", [{"step": i, "perf/step_s": s} for i, s in enumerate(g)])
+        write(d / "trl", [{"step": i, "perf/step_s": s} for i, s in enumerate(t)])
+    write(timing / "only_grpo" / "grpo", [{"step": 0, "perf/step_s": 1.0}])
+    assert C.pairs(timing) == [timing, timing / "second_pair"]
+    lines = C.pair_table(timing / "second_pair").splitlines()
+    assert lines[2:6] == ["| 0 | 28.00 | 22.00 |", "| 1 | 7.50 | 20.00 |", "| 2 | 14.50 | 22.00 |",
+                          "| 3 | 7.25 | 21.00 |"]
+    assert lines[6] == ("steps 1-: median grpo.py 7.50 s, TRL 21.00 s: 2.80x; "
+                        f"mean 9.75 s, 21.00 s: {21 / 9.75:.2f}x")
+    C.main(C.Args(run_dir=tmp_path, extra=("grpo_b",), timing_dir=timing))
     assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -6,12 +6,19 @@ minutes of training, one figure, and the table of docs/grpo.md ("Side by side wi
 The folder holds the runs of dev/queues/trl_gsm8k.txt: grpo/ (grpo.py, its own evaluations in metrics.jsonl), trl/
 (bench/trl_gsm8k.py: metrics.jsonl, summary.json) and trl_eval_step<k>/ (grpo.py --num-steps 0 on TRL's step-k
 checkpoint: one eval/accuracy row). TRL's step-0 point is grpo.py's step-0 evaluation: the same model and evaluator.
+Further runs of grpo.py's recipe named by --extra (folders like grpo/) join the accuracy table, the differences and
+the figure: the spread between two runs of one trainer is the noise a difference between trainers is measured against.
 Minutes are training time, the sum of perf/step_s of the steps before the evaluation (both trainers time a step the
 same way: rollout, scoring and update; evaluations, start-up and checkpoints excluded). The training reward of each
 step (the mean over its 64 x 8 samples, the same reward function) is the finer per-step signal: a third panel shows
 it (5-step moving average) and a second table its mean per 10-step window over the steps both runs have, beside the
 median step time (and generation time, where the trainer logs it) of each window. Writes <run-dir>/curves.png and
-prints both tables, and the accuracy difference with its standard error at each step both trainers evaluated.
+prints both tables, the accuracy difference with its standard error at each step two runs both evaluated, and the
+mean per-step difference in training reward of each two runs.
+
+It also prints the step-time table of each same-host pair under --timing-dir (a folder, or its subfolders, holding
+grpo/ and trl/ from the queue's `tgrpo` and `ttrl` jobs: a few steps of each trainer, one after the other on one GPU):
+seconds per step of each, and the ratio of their medians and means over the steps after step 0.
 """
 import math
 import statistics
@@ -29,6 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 class Args:
     run_dir: Path = ROOT / "docs" / "results" / "grpo_vs_trl_gsm8k_h100_2026-12-06"
     """folder with grpo/, trl/ and trl_eval_step<k>/"""
+    extra: tuple[str, ...] = ("grpo_stopped_at_step32",)
+    """further grpo.py runs of the recipe in run_dir (subfolder names), shown beside the first"""
+    timing_dir: Path = ROOT / "docs" / "results" / "grpo_vs_trl_gsm8k_timing_h100_2026-12-06"
+    """folder whose pairs (itself or subfolders with grpo/ and trl/) give the same-host step times"""
 
 
 def rows(run: Path) -> list[dict]:
@@ -40,20 +51,27 @@ def minutes_before(step_s: dict[int, float], k: int) -> float:
     return sum(s for i, s in step_s.items() if i < k) / 60
 
 
-def curves(run_dir: Path) -> dict[str, dict]:
-    """Per trainer: points [(step, minutes, accuracy %)], step times {step: s}, training reward {step: mean},
-    generation times {step: s} (grpo.py's perf/generate_s; TRL logs none), peak GiB."""
-    g = rows(run_dir / "grpo")
-    g_step = {r["step"]: r["perf/step_s"] for r in g if "perf/step_s" in r}
-    g_eval = {r["step"]: 100 * r["eval/accuracy"] for r in g if "eval/accuracy" in r}
+def step_times(rs: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["perf/step_s"] for r in rs if "perf/step_s" in r}
+
+
+def curves(run_dir: Path, extra: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Per run (grpo.py, TRL, then each extra grpo.py run, named by its folder): points [(step, minutes,
+    accuracy %)], step times {step: s}, training reward {step: mean}, generation times {step: s} (grpo.py's
+    perf/generate_s; TRL logs none), peak GiB."""
+    runs = []
+    for name, d in (("grpo.py", "grpo"), *((f"grpo.py ({e}/)", e) for e in extra)):
+        g = rows(run_dir / d)
+        runs.append((name, g, {r["step"]: 100 * r["eval/accuracy"] for r in g if "eval/accuracy" in r}))
     t = rows(run_dir / "trl")
-    t_step = {r["step"]: r["perf/step_s"] for r in t if "perf/step_s" in r}
-    t_eval = {0: g_eval[0]}  # the base model, grpo.py's evaluator
+    t_eval = {0: runs[0][2][0]}  # the base model, grpo.py's evaluator
     for d in sorted(run_dir.glob("trl_eval_step*")):
         (r,) = [r for r in rows(d) if "eval/accuracy" in r]
         t_eval[int(d.name.removeprefix("trl_eval_step"))] = 100 * r["eval/accuracy"]
+    runs.insert(1, ("TRL", t, t_eval))
     out = {}
-    for name, step_s, ev, rs in (("grpo.py", g_step, g_eval, g), ("TRL", t_step, t_eval, t)):
+    for name, rs, ev in runs:
+        step_s = step_times(rs)
         out[name] = {"points": [(k, minutes_before(step_s, k), a) for k, a in sorted(ev.items())], "step_s": step_s,
                      "reward": {r["step"]: r["reward/mean"] for r in rs if "reward/mean" in r},
                      "generate_s": {r["step"]: r["perf/generate_s"] for r in rs if "perf/generate_s" in r},
@@ -69,30 +87,48 @@ def table(c: dict[str, dict]) -> str:
     for name, v in c.items():
         acc = {k: (m, a) for k, m, a in v["points"]}
         warm = [s for i, s in v["step_s"].items() if i > 0]
+        peak = "-" if v["peak"] is None else f"{v['peak']:.1f}"
         lines.append(f"| {name} | " + " | ".join(f"{acc[k][1]:.2f} % ({acc[k][0]:.1f})" if k in acc else "-"
                                                  for k in evals) +
                      f" | {len(v['step_s'])} | {statistics.median(warm):.2f} | {sum(v['step_s'].values()) / 60:.1f} | "
-                     f"{v['peak']:.1f} |")
+                     f"{peak} |")
     return "\n".join(lines)
 
 
 def differences(c: dict[str, dict], n: int = 1319) -> list[str]:
-    """At each step both trainers evaluated (after step 0): the first minus the second, in points, with the standard
-    error of that difference for two independent evaluations on n questions."""
-    (n1, v1), (n2, v2) = list(c.items())[:2]
-    a1, a2 = ({k: a for k, _, a in v["points"]} for v in (v1, v2))
+    """For each two runs, in order, at each step both evaluated (after step 0): the first minus the second, in
+    points, with the standard error of that difference for two independent evaluations on n questions."""
+    acc = {name: {k: a for k, _, a in v["points"]} for name, v in c.items()}
     out = []
-    for k in sorted(set(a1) & set(a2) - {0}):
-        p, q = a1[k] / 100, a2[k] / 100
-        se = 100 * math.sqrt(p * (1 - p) / n + q * (1 - q) / n)
-        out.append(f"step {k}: {n1} - {n2} = {a1[k] - a2[k]:+.2f} points (standard error {se:.2f})")
+    for i, n1 in enumerate(acc):
+        for n2 in list(acc)[i + 1:]:
+            a1, a2 = acc[n1], acc[n2]
+            for k in sorted(set(a1) & set(a2) - {0}):
+                p, q = a1[k] / 100, a2[k] / 100
+                se = 100 * math.sqrt(p * (1 - p) / n + q * (1 - q) / n)
+                out.append(f"step {k}: {n1} - {n2} = {a1[k] - a2[k]:+.2f} points (standard error {se:.2f})")
+    return out
+
+
+def reward_differences(c: dict[str, dict]) -> list[str]:
+    """For each two runs, in order: the mean over the steps both have of the per-step training reward difference (the
+    first minus the second), with its standard error (the steps' standard deviation / sqrt(steps), as if the steps
+    were independent)."""
+    out = []
+    for i, n1 in enumerate(c):
+        for n2 in list(c)[i + 1:]:
+            r1, r2 = c[n1]["reward"], c[n2]["reward"]
+            d = [r1[k] - r2[k] for k in sorted(set(r1) & set(r2))]
+            out.append(f"training reward, {n1} - {n2}: {statistics.mean(d):+.4f} a step over {len(d)} steps "
+                       f"(standard error {statistics.stdev(d) / math.sqrt(len(d)):.4f})")
     return out
 
 
 def window_table(c: dict[str, dict], width: int = 10) -> str:
-    """Per window of `width` steps, over the steps every trainer has (the last window may be shorter): the mean
-    training reward of each trainer, the difference of the first two, the median step time of each, and the median
+    """Per window of `width` steps, over the steps both trainers (the first two runs) have (the last window may be
+    shorter): the mean training reward of each, their difference, the median step time of each, and the median
     generation time of those that log it."""
+    c = dict(list(c.items())[:2])
     common = sorted(set.intersection(*(set(v["reward"]) for v in c.values())))
     names, gen = list(c), [n for n in c if c[n]["generate_s"]]
     lines = ["| steps | " + " | ".join(f"{n}, training reward" for n in names) + f" | {names[0]} - {names[1]} | " +
@@ -109,6 +145,26 @@ def window_table(c: dict[str, dict], width: int = 10) -> str:
     return "\n".join(lines)
 
 
+def pairs(timing_dir: Path) -> list[Path]:
+    """The same-host step-time pairs: timing_dir itself and its subfolders, each where it holds grpo/ and trl/."""
+    return [d for d in (timing_dir, *sorted(timing_dir.iterdir()))
+            if d.is_dir() and (d / "grpo").is_dir() and (d / "trl").is_dir()]
+
+
+def pair_table(pair: Path) -> str:
+    """Seconds per step of grpo.py and TRL in one pair, then TRL / grpo.py by the medians and by the means of the
+    steps after step 0 (step 0 carries compilation and the first engine step)."""
+    g, t = step_times(rows(pair / "grpo")), step_times(rows(pair / "trl"))
+    lines = ["| step | grpo.py s | TRL s |", "|---|---|---|"]
+    lines += [f"| {k} | {g[k]:.2f} | {t[k]:.2f} |" for k in sorted(set(g) & set(t))]
+    gw, tw = [s for k, s in g.items() if k > 0], [s for k, s in t.items() if k > 0]
+    gm, tm = statistics.median(gw), statistics.median(tw)
+    ga, ta = statistics.mean(gw), statistics.mean(tw)
+    lines.append(f"steps 1-: median grpo.py {gm:.2f} s, TRL {tm:.2f} s: {tm / gm:.2f}x; "
+                 f"mean {ga:.2f} s, {ta:.2f} s: {ta / ga:.2f}x")
+    return "\n".join(lines)
+
+
 def moving_average(values: list[float], k: int = 5) -> list[float]:
     """Mean of each value and up to k-1 before it."""
     return [statistics.mean(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
@@ -119,7 +175,7 @@ def plot(c: dict[str, dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
-    for (name, v), style in zip(c.items(), ("o-", "s--")):
+    for (name, v), style in zip(c.items(), ("o-", "s--", "^:", "v-.")):
         steps, mins, acc = zip(*v["points"])
         a1.plot(steps, acc, style, label=name)
         a2.plot(mins, acc, style, label=name)
@@ -140,13 +196,17 @@ def plot(c: dict[str, dict], out: Path) -> None:
 
 
 def main(args: Args) -> None:
-    c = curves(args.run_dir)
+    c = curves(args.run_dir, args.extra)
     print(table(c))
     print("\n".join(differences(c)))
+    print("\n".join(reward_differences(c)))
     print()
     print(window_table(c))
     plot(c, args.run_dir / "curves.png")
     print("wrote", args.run_dir / "curves.png")
+    for pair in pairs(args.timing_dir):
+        print(f"\nsame-host step times, {pair.relative_to(args.timing_dir.parent)}")
+        print(pair_table(pair))
 
 
 if __name__ == "__main__":

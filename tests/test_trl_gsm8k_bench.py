@@ -330,16 +330,18 @@ def test_the_comparison_tool_reads_both_trainers_runs(tmp_path):
     for a further grpo.py run, minutes = the step times before that step, the table's medians skip step 0, the
     accuracy differences of each two runs carry their standard error, so do the mean training-reward differences, the
     window table averages the steps both trainers have (grpo.py stopped one step early here) with each window's median
-    step and generation times, the same-host pairs give their step-time ratios, and the figure is written."""
+    step and generation times (for the trainers, and for grpo.py beside a further run), the steps table shows each
+    run's reward and times at chosen steps, the same-host pairs give their step and update times and step-time
+    ratios, and the figure is written."""
     from tools import grpo_vs_trl_gsm8k as C
 
-    def write(d, rs):
-        d.mkdir(parents=True)
+    def write(d, rs, replace=False):
+        d.mkdir(parents=True, exist_ok=replace)
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
         (d / "config.json").write_text("{}")  # a run folder: tools.compare.load_run reads both
     write(tmp_path / "grpo", [{"step": 0, "eval/accuracy": 0.25}] +
           [{"step": i, "perf/step_s": 60.0 if i == 0 else 6.0, "perf/peak_mem_gib": 20.0 + i, "reward/mean": 0.1 * i,
-            "perf/generate_s": 1.0 + i} for i in range(4)] +
+            "perf/generate_s": 1.0 + i, "perf/update_s": 2.0 * i} for i in range(4)] +
           [{"step": 2, "eval/accuracy": 0.3}, {"step": 4, "eval/accuracy": 0.35}])
     write(tmp_path / "trl", [{"step": i, "perf/step_s": 18.0, "perf/peak_mem_gib": 70.0, "reward/mean": 0.2}
                              for i in range(5)])
@@ -379,18 +381,28 @@ def test_the_comparison_tool_reads_both_trainers_runs(tmp_path):
         f"training reward, TRL - grpo.py (grpo_b/): +0.0933 a step over 3 steps (standard error "
         f"{statistics.stdev([0.2, 0.08, 0.0]) / 3 ** 0.5:.4f})"]
     assert C.window_table(c3, width=3) == C.window_table(c, width=3)  # the two trainers only
+    assert C.window_table(c3, width=3, names=("grpo.py", "grpo.py (grpo_b/)")).splitlines()[2:] == [
+        "| 0-2 | 0.100 | 0.107 | -0.007 | 6.00 | 5.00 | 2.00 |"]  # grpo_b logs no generation time
+    assert C.steps_table(c3, (0, 3)).splitlines()[2:] == [
+        "| grpo.py | 0 | 0.000 | 60.00 | 0.00 | 1.00 |", "| grpo.py | 3 | 0.300 | 6.00 | 6.00 | 4.00 |",
+        "| TRL | 0 | 0.200 | 18.00 | - | - |", "| TRL | 3 | 0.200 | 18.00 | - | - |",
+        "| grpo.py (grpo_b/) | 0 | 0.000 | 5.00 | - | - |", "| grpo.py (grpo_b/) | 3 | - | - | - | - |"]
     # same-host pairs: the timing folder itself and a subfolder; a folder without trl/ is not a pair
     timing = tmp_path / "timing"
     for d, g, t in ((timing, [30.0, 6.0, 18.0, 7.0], [19.0, 17.0, 16.0, 16.5]),
                     (timing / "second_pair", [28.0, 7.5, 14.5, 7.25], [22.0, 20.0, 22.0, 21.0])):
-        write(d / "grpo", [{"step": i, "perf/step_s": s} for i, s in enumerate(g)])
-        write(d / "trl", [{"step": i, "perf/step_s": s} for i, s in enumerate(t)])
+        write(d / "grpo", [{"step": i, "perf/step_s": s, "perf/update_s": s - 5} for i, s in enumerate(g)])
+        write(d / "trl", [{"step": i, "perf/step_s": s, "perf/peak_mem_gib": 70.0 + i} for i, s in enumerate(t)])
     write(timing / "only_grpo" / "grpo", [{"step": 0, "perf/step_s": 1.0}])
     assert C.pairs(timing) == [timing, timing / "second_pair"]
     lines = C.pair_table(timing / "second_pair").splitlines()
-    assert lines[2:6] == ["| 0 | 28.00 | 22.00 |", "| 1 | 7.50 | 20.00 |", "| 2 | 14.50 | 22.00 |",
-                          "| 3 | 7.25 | 21.00 |"]
+    assert lines[2:6] == ["| 0 | 28.00 | 23.00 | 22.00 |", "| 1 | 7.50 | 2.50 | 20.00 |",
+                          "| 2 | 14.50 | 9.50 | 22.00 |", "| 3 | 7.25 | 2.25 | 21.00 |"]
     assert lines[6] == ("steps 1-: median grpo.py 7.50 s, TRL 21.00 s: 2.80x; "
                         f"mean 9.75 s, 21.00 s: {21 / 9.75:.2f}x")
+    assert len(lines) == 7  # grpo.py logs no peak here: no peak line
+    write(timing / "second_pair" / "grpo", [{"step": i, "perf/step_s": 9.0, "perf/update_s": 1.0,
+                                             "perf/peak_mem_gib": 26.0 + i} for i in range(2)], replace=True)
+    assert C.pair_table(timing / "second_pair").splitlines()[-1] == "trainer peak: grpo.py 27.0 GiB, TRL 73.0 GiB"
     C.main(C.Args(run_dir=tmp_path, extra=("grpo_b",), timing_dir=timing))
     assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -11,15 +11,18 @@ the figure: the spread between two runs of one trainer is the noise a difference
 Minutes are training time, the sum of perf/step_s of the steps before the evaluation (both trainers time a step the
 same way: rollout, scoring and update; evaluations, start-up and checkpoints excluded). The training reward of each
 step (the mean over its 64 x 8 samples, the same reward function) is the finer per-step signal: a third panel shows
-it (5-step moving average) and a second table its mean per 10-step window over the steps both runs have, beside the
-median step time (and generation time, where the trainer logs it) of each window. Writes <run-dir>/curves.png and
-prints both tables, the accuracy difference with its standard error at each step two runs both evaluated, and the
-mean per-step difference in training reward of each two runs.
+it (5-step moving average) and a second table its mean per 10-step window over the steps both trainers have, beside
+the median step time (and generation time, where the trainer logs it) of each window; the same table follows for
+grpo.py beside each --extra run. Writes <run-dir>/curves.png and prints these tables, the accuracy difference with its
+standard error at each step two runs both evaluated, the mean per-step difference in training reward of each two
+runs, and each run's training reward and step, update and generation times at the --show-steps.
 
 It also prints the step-time table of each same-host pair under --timing-dir (a folder, or its subfolders, holding
 grpo/ and trl/ from the queue's `tgrpo` and `ttrl` jobs: a few steps of each trainer, one after the other on one GPU):
-seconds per step of each, and the ratio of their medians and means over the steps after step 0.
+seconds per step of each (and of grpo.py's update), the ratio of their medians and means over the steps after
+step 0, and each trainer's peak memory where both log it.
 """
+import itertools
 import math
 import statistics
 from dataclasses import dataclass
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import tyro
 
-from tools.compare import load_run
+from tools.compare import load_run, series
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,10 +43,24 @@ class Args:
     """further grpo.py runs of the recipe in run_dir (subfolder names), shown beside the first"""
     timing_dir: Path = ROOT / "docs" / "results" / "grpo_vs_trl_gsm8k_timing_h100_2026-12-06"
     """folder whose pairs (itself or subfolders with grpo/ and trl/) give the same-host step times"""
+    show_steps: tuple[int, ...] = (0, 2)
+    """steps whose training reward and times are printed for every run (0: before any update; 2: grpo.py's slow
+    update)"""
 
 
-def rows(run: Path) -> list[dict]:
-    return load_run(run)["rows"]
+def per_step(run: dict, key: str) -> dict[int, float]:
+    """{step: value} of one metric of one run (a tools.compare.load_run result; its series, the run alone)."""
+    steps, values, _, _ = series([run], key, "step")
+    return dict(zip(steps, values))
+
+
+def peak(run: dict) -> float | None:
+    return max(per_step(run, "perf/peak_mem_gib").values(), default=None)
+
+
+def warm(step_s: dict[int, float]) -> list[float]:
+    """The step times after step 0 (step 0 carries compilation and the first engine step)."""
+    return [s for i, s in step_s.items() if i > 0]
 
 
 def minutes_before(step_s: dict[int, float], k: int) -> float:
@@ -51,31 +68,24 @@ def minutes_before(step_s: dict[int, float], k: int) -> float:
     return sum(s for i, s in step_s.items() if i < k) / 60
 
 
-def step_times(rs: list[dict]) -> dict[int, float]:
-    return {r["step"]: r["perf/step_s"] for r in rs if "perf/step_s" in r}
-
-
 def curves(run_dir: Path, extra: tuple[str, ...] = ()) -> dict[str, dict]:
     """Per run (grpo.py, TRL, then each extra grpo.py run, named by its folder): points [(step, minutes,
-    accuracy %)], step times {step: s}, training reward {step: mean}, generation times {step: s} (grpo.py's
-    perf/generate_s; TRL logs none), peak GiB."""
-    runs = []
-    for name, d in (("grpo.py", "grpo"), *((f"grpo.py ({e}/)", e) for e in extra)):
-        g = rows(run_dir / d)
-        runs.append((name, g, {r["step"]: 100 * r["eval/accuracy"] for r in g if "eval/accuracy" in r}))
-    t = rows(run_dir / "trl")
-    t_eval = {0: runs[0][2][0]}  # the base model, grpo.py's evaluator
+    accuracy %)], step times {step: s}, training reward {step: mean}, update and generation times {step: s}
+    (grpo.py's perf/update_s and perf/generate_s; TRL logs neither), peak GiB."""
+    folders = {"grpo.py": "grpo", "TRL": "trl", **{f"grpo.py ({e}/)": e for e in extra}}
+    runs = {name: load_run(run_dir / d) for name, d in folders.items()}
+    acc = {name: {k: 100 * a for k, a in per_step(run, "eval/accuracy").items()} for name, run in runs.items()}
+    acc["TRL"] = {0: acc["grpo.py"][0]}  # the base model, grpo.py's evaluator
     for d in sorted(run_dir.glob("trl_eval_step*")):
-        (r,) = [r for r in rows(d) if "eval/accuracy" in r]
-        t_eval[int(d.name.removeprefix("trl_eval_step"))] = 100 * r["eval/accuracy"]
-    runs.insert(1, ("TRL", t, t_eval))
+        (a,) = per_step(load_run(d), "eval/accuracy").values()
+        acc["TRL"][int(d.name.removeprefix("trl_eval_step"))] = 100 * a
     out = {}
-    for name, rs, ev in runs:
-        step_s = step_times(rs)
-        out[name] = {"points": [(k, minutes_before(step_s, k), a) for k, a in sorted(ev.items())], "step_s": step_s,
-                     "reward": {r["step"]: r["reward/mean"] for r in rs if "reward/mean" in r},
-                     "generate_s": {r["step"]: r["perf/generate_s"] for r in rs if "perf/generate_s" in r},
-                     "peak": max((r["perf/peak_mem_gib"] for r in rs if "perf/peak_mem_gib" in r), default=None)}
+    for name, run in runs.items():
+        step_s = per_step(run, "perf/step_s")
+        out[name] = {"points": [(k, minutes_before(step_s, k), a) for k, a in sorted(acc[name].items())],
+                     "step_s": step_s, "reward": per_step(run, "reward/mean"),
+                     "update_s": per_step(run, "perf/update_s"), "generate_s": per_step(run, "perf/generate_s"),
+                     "peak": peak(run)}
     return out
 
 
@@ -86,12 +96,11 @@ def table(c: dict[str, dict]) -> str:
     lines = [head, "|---" * (len(evals) + 5) + "|"]
     for name, v in c.items():
         acc = {k: (m, a) for k, m, a in v["points"]}
-        warm = [s for i, s in v["step_s"].items() if i > 0]
         peak = "-" if v["peak"] is None else f"{v['peak']:.1f}"
+        median, minutes = statistics.median(warm(v["step_s"])), sum(v["step_s"].values()) / 60
         lines.append(f"| {name} | " + " | ".join(f"{acc[k][1]:.2f} % ({acc[k][0]:.1f})" if k in acc else "-"
                                                  for k in evals) +
-                     f" | {len(v['step_s'])} | {statistics.median(warm):.2f} | {sum(v['step_s'].values()) / 60:.1f} | "
-                     f"{peak} |")
+                     f" | {len(v['step_s'])} | {median:.2f} | {minutes:.1f} | {peak} |")
     return "\n".join(lines)
 
 
@@ -100,13 +109,12 @@ def differences(c: dict[str, dict], n: int = 1319) -> list[str]:
     points, with the standard error of that difference for two independent evaluations on n questions."""
     acc = {name: {k: a for k, _, a in v["points"]} for name, v in c.items()}
     out = []
-    for i, n1 in enumerate(acc):
-        for n2 in list(acc)[i + 1:]:
-            a1, a2 = acc[n1], acc[n2]
-            for k in sorted(set(a1) & set(a2) - {0}):
-                p, q = a1[k] / 100, a2[k] / 100
-                se = 100 * math.sqrt(p * (1 - p) / n + q * (1 - q) / n)
-                out.append(f"step {k}: {n1} - {n2} = {a1[k] - a2[k]:+.2f} points (standard error {se:.2f})")
+    for n1, n2 in itertools.combinations(acc, 2):
+        a1, a2 = acc[n1], acc[n2]
+        for k in sorted(set(a1) & set(a2) - {0}):
+            p, q = a1[k] / 100, a2[k] / 100
+            se = 100 * math.sqrt(p * (1 - p) / n + q * (1 - q) / n)
+            out.append(f"step {k}: {n1} - {n2} = {a1[k] - a2[k]:+.2f} points (standard error {se:.2f})")
     return out
 
 
@@ -115,20 +123,19 @@ def reward_differences(c: dict[str, dict]) -> list[str]:
     first minus the second), with its standard error (the steps' standard deviation / sqrt(steps), as if the steps
     were independent)."""
     out = []
-    for i, n1 in enumerate(c):
-        for n2 in list(c)[i + 1:]:
-            r1, r2 = c[n1]["reward"], c[n2]["reward"]
-            d = [r1[k] - r2[k] for k in sorted(set(r1) & set(r2))]
-            out.append(f"training reward, {n1} - {n2}: {statistics.mean(d):+.4f} a step over {len(d)} steps "
-                       f"(standard error {statistics.stdev(d) / math.sqrt(len(d)):.4f})")
+    for n1, n2 in itertools.combinations(c, 2):
+        r1, r2 = c[n1]["reward"], c[n2]["reward"]
+        d = [r1[k] - r2[k] for k in sorted(set(r1) & set(r2))]
+        out.append(f"training reward, {n1} - {n2}: {statistics.mean(d):+.4f} a step over {len(d)} steps "
+                   f"(standard error {statistics.stdev(d) / math.sqrt(len(d)):.4f})")
     return out
 
 
-def window_table(c: dict[str, dict], width: int = 10) -> str:
-    """Per window of `width` steps, over the steps both trainers (the first two runs) have (the last window may be
-    shorter): the mean training reward of each, their difference, the median step time of each, and the median
-    generation time of those that log it."""
-    c = dict(list(c.items())[:2])
+def window_table(c: dict[str, dict], width: int = 10, names: tuple[str, str] | None = None) -> str:
+    """Per window of `width` steps, over the steps two runs (`names`, by default the first two: the two trainers)
+    both have (the last window may be shorter): the mean training reward of each, their difference, the median step
+    time of each, and the median generation time of those that log it."""
+    c = {n: c[n] for n in names or list(c)[:2]}
     common = sorted(set.intersection(*(set(v["reward"]) for v in c.values())))
     names, gen = list(c), [n for n in c if c[n]["generate_s"]]
     lines = ["| steps | " + " | ".join(f"{n}, training reward" for n in names) + f" | {names[0]} - {names[1]} | " +
@@ -145,6 +152,17 @@ def window_table(c: dict[str, dict], width: int = 10) -> str:
     return "\n".join(lines)
 
 
+def steps_table(c: dict[str, dict], steps: tuple[int, ...]) -> str:
+    """Each run's training reward, step time, and update and generation times (where logged) at the given steps."""
+    lines = ["| run | step | training reward | s/step | update s | generation s |", "|---" * 6 + "|"]
+    for name, v in c.items():
+        for k in steps:
+            cells = [(v[key].get(k), f) for key, f in (("reward", ".3f"), ("step_s", ".2f"), ("update_s", ".2f"),
+                                                        ("generate_s", ".2f"))]
+            lines.append(f"| {name} | {k} | " + " | ".join("-" if x is None else format(x, f) for x, f in cells) + " |")
+    return "\n".join(lines)
+
+
 def pairs(timing_dir: Path) -> list[Path]:
     """The same-host step-time pairs: timing_dir itself and its subfolders, each where it holds grpo/ and trl/."""
     return [d for d in (timing_dir, *sorted(timing_dir.iterdir()))
@@ -152,16 +170,20 @@ def pairs(timing_dir: Path) -> list[Path]:
 
 
 def pair_table(pair: Path) -> str:
-    """Seconds per step of grpo.py and TRL in one pair, then TRL / grpo.py by the medians and by the means of the
-    steps after step 0 (step 0 carries compilation and the first engine step)."""
-    g, t = step_times(rows(pair / "grpo")), step_times(rows(pair / "trl"))
-    lines = ["| step | grpo.py s | TRL s |", "|---|---|---|"]
-    lines += [f"| {k} | {g[k]:.2f} | {t[k]:.2f} |" for k in sorted(set(g) & set(t))]
-    gw, tw = [s for k, s in g.items() if k > 0], [s for k, s in t.items() if k > 0]
+    """Seconds per step of grpo.py (and of its update) and of TRL in one pair, then TRL / grpo.py by the medians and
+    by the means of the steps after step 0."""
+    grpo, trl = load_run(pair / "grpo"), load_run(pair / "trl")
+    g, u, t = per_step(grpo, "perf/step_s"), per_step(grpo, "perf/update_s"), per_step(trl, "perf/step_s")
+    lines = ["| step | grpo.py s | grpo.py update s | TRL s |", "|---|---|---|---|"]
+    lines += [f"| {k} | {g[k]:.2f} | {u[k]:.2f} | {t[k]:.2f} |" for k in sorted(set(g) & set(t))]
+    gw, tw = warm(g), warm(t)
     gm, tm = statistics.median(gw), statistics.median(tw)
     ga, ta = statistics.mean(gw), statistics.mean(tw)
     lines.append(f"steps 1-: median grpo.py {gm:.2f} s, TRL {tm:.2f} s: {tm / gm:.2f}x; "
                  f"mean {ga:.2f} s, {ta:.2f} s: {ta / ga:.2f}x")
+    pg, pt = peak(grpo), peak(trl)
+    if pg is not None and pt is not None:
+        lines.append(f"trainer peak: grpo.py {pg:.1f} GiB, TRL {pt:.1f} GiB")
     return "\n".join(lines)
 
 
@@ -202,6 +224,11 @@ def main(args: Args) -> None:
     print("\n".join(reward_differences(c)))
     print()
     print(window_table(c))
+    for e in list(c)[2:]:
+        print()
+        print(window_table(c, names=("grpo.py", e)))
+    print()
+    print(steps_table(c, args.show_steps))
     plot(c, args.run_dir / "curves.png")
     print("wrote", args.run_dir / "curves.png")
     for pair in pairs(args.timing_dir):
